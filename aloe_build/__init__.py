@@ -1,0 +1,1 @@
+"""ALOE construction: edit requests, model loading, the build pipeline and evaluation."""

@@ -1,0 +1,90 @@
+"""The ``aloe`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Sequence
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from aloe_kernels import AloeOperator
+
+    op = AloeOperator.load(args.operator)
+    norms = op.addresses.float().norm(dim=1) if op.n else torch.zeros(0)
+    summary = {
+        "path": str(args.operator),
+        "n": op.n,
+        "d": op.d,
+        "d_out": op.d_out,
+        "dtype": str(op.dtype).replace("torch.", ""),
+        "layer": op.layer,
+        "module_path": op.module_path,
+        "base_model": op.base_model,
+        "weight_fingerprint": op.weight_fingerprint,
+        "operator_hash": op.fingerprint(),
+        "eps": op.eps,
+        "gate_eps": op.gate_eps,
+        "address_norm": _stats(norms),
+        "threshold": _stats(op.thresholds.float()),
+        "temperature": _stats(op.temperatures.float()),
+        "write_norm": _stats(op.writes.float().norm(dim=1) if op.n else torch.zeros(0)),
+        "bytes": sum(t.numel() * t.element_size() for t in (op.addresses, op.thresholds, op.temperatures, op.writes)),
+    }
+    if args.edits:
+        summary["edits"] = op.edits[: args.edits]
+    print(json.dumps(summary, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _stats(t) -> dict[str, float] | None:
+    if t.numel() == 0:
+        return None
+    return {"min": float(t.min()), "median": float(t.median()), "max": float(t.max())}
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks import bench_gate
+
+    return int(bench_gate.main(args.rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aloe", description="Edit facts in a language model with ALOE operators.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="summarise an operator artifact")
+    p.add_argument("operator", help="artifact directory")
+    p.add_argument("--edits", type=int, default=0, help="also print the metadata of the first N edits")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("bench", help="gate-throughput microbenchmark (arguments go to benchmarks/bench_gate.py)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``aloe`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a clear one-line message rather than a traceback for expected errors
+        from aloe_kernels.errors import AloeError
+
+        if isinstance(exc, (AloeError, FileNotFoundError)):
+            print(f"aloe {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

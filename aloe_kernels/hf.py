@@ -1,0 +1,199 @@
+"""Drop-in patch of a Hugging Face causal LM: one MLP down-projection gains U g(h).
+
+``apply_aloe`` replaces the module in its parent with :class:`AloeDownProj`,
+a thin wrapper that calls the original module and then adds the ALOE
+residual; ``remove_aloe`` puts the original module object back, so outputs
+are restored bit for bit. Works on an already-built model; nothing here
+imports transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import PatchError
+from .operator import AloeOperator, weight_fingerprint
+from .reference import aloe_reference
+from .residual import aloe_residual_
+
+# Where decoder layers live, and where the down-projection sits inside one layer.
+_LAYER_LISTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "transformer.h", "model.decoder.layers")
+_DOWN_PROJ_NAMES = ("mlp.down_proj", "mlp.c_proj")
+_TENSORS = ("addresses", "thresholds", "temperatures", "writes")
+
+
+@dataclasses.dataclass
+class DownProjSite:
+    """A located down-projection: its dotted path, parent, attribute name and module."""
+
+    path: str
+    parent: nn.Module
+    attr: str
+    module: nn.Module
+    num_layers: int
+
+    @property
+    def is_conv1d(self) -> bool:
+        """GPT-2's Conv1D stores its weight as (d, d_out), the transpose of nn.Linear."""
+        return type(self.module).__name__ == "Conv1D"
+
+    def weight(self) -> torch.Tensor:
+        """The weight as (d_out, d), whatever the module's own layout."""
+        w = self.module.weight
+        return w.T if self.is_conv1d else w
+
+    @property
+    def d(self) -> int:
+        return int(self.weight().shape[1])
+
+    @property
+    def d_out(self) -> int:
+        return int(self.weight().shape[0])
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The dotted path and ModuleList of a causal LM's decoder layers."""
+    for path in _LAYER_LISTS:
+        layers = _get(model, path)
+        if isinstance(layers, nn.ModuleList):
+            return path, layers
+    raise PatchError(
+        f"{type(model).__name__}: no decoder layer list found (looked for {', '.join(_LAYER_LISTS)})"
+    )
+
+
+def locate_down_proj(model: nn.Module, layer: int) -> DownProjSite:
+    """Find the MLP down-projection of decoder layer ``layer``.
+
+    Supports ``mlp.down_proj`` (Llama, Mistral, Qwen2, Qwen3, Gemma 3) and
+    GPT-2's Conv1D ``mlp.c_proj``. The module found may already be an
+    :class:`AloeDownProj`.
+    """
+    path, layers = decoder_layers(model)
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise PatchError(f"layer must be an int, got {layer!r}")
+    if not 0 <= layer < len(layers):
+        raise PatchError(f"layer {layer} is out of range: the model has {len(layers)} decoder layers (0..{len(layers) - 1})")
+    block = layers[layer]
+    for name in _DOWN_PROJ_NAMES:
+        module = _get(block, name)
+        if isinstance(module, nn.Module):
+            parent_name, attr = name.rsplit(".", 1)
+            return DownProjSite(f"{path}.{layer}.{name}", _get(block, parent_name), attr, module, len(layers))
+    raise PatchError(
+        f"{type(model).__name__}: decoder layer {layer} has no MLP down-projection (looked for {', '.join(_DOWN_PROJ_NAMES)})"
+    )
+
+
+class AloeDownProj(nn.Module):
+    """Wraps a down-projection: ``forward(h) = base(h) + U g(h)``.
+
+    The operator tensors are non-persistent buffers (they move with
+    ``model.to(device)`` and stay out of the model's state dict). With
+    autograd recording and a tensor requiring grad, the residual is added
+    out of place through the reference math so gradients flow; otherwise it
+    is added in place by :func:`aloe_residual_`.
+    """
+
+    def __init__(self, base: nn.Module, op: AloeOperator, deterministic: bool = False):
+        super().__init__()
+        self.base = base
+        self.deterministic = deterministic
+        self._op_header = {f.name: getattr(op, f.name) for f in dataclasses.fields(op) if f.name not in _TENSORS}
+        for k in _TENSORS:
+            self.register_buffer(k, getattr(op, k), persistent=False)
+
+    @property
+    def operator(self) -> AloeOperator:
+        """The operator as currently held (device and dtype of the buffers)."""
+        return AloeOperator(**{k: getattr(self, k) for k in _TENSORS}, **self._op_header)
+
+    def _runtime_op(self) -> AloeOperator:
+        # Skips validation on the hot path: the tensors were validated once at patch time.
+        op = object.__new__(AloeOperator)
+        op.__dict__.update(self._op_header)
+        for k in _TENSORS:
+            op.__dict__[k] = getattr(self, k)
+        return op
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.base(h)
+        op = self._runtime_op()
+        if torch.is_grad_enabled() and (h.requires_grad or any(getattr(self, k).requires_grad for k in _TENSORS)):
+            return y + aloe_reference(h, op).to(y.dtype)
+        return aloe_residual_(y, h, op, deterministic=self.deterministic)
+
+
+
+def find_aloe_modules(model: nn.Module) -> list[tuple[str, AloeDownProj]]:
+    """Every ALOE wrapper in the model, with its dotted name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, AloeDownProj)]
+
+
+def apply_aloe(
+    model: nn.Module,
+    op: AloeOperator,
+    layer: int | None = None,
+    check_fingerprint: bool = True,
+    deterministic: bool = False,
+) -> AloeDownProj:
+    """Patch ``model`` in place so that one down-projection adds ``U g(h)``.
+
+    ``layer`` defaults to the operator's own layer. The operator is moved to
+    the weight's device; on CPU it is kept in float32 (float64 stays), on
+    other devices it takes the weight's dtype. Refuses, with a
+    :class:`PatchError`, a layer out of range, a d/d_out mismatch, a
+    fingerprint mismatch (when the operator records one and
+    ``check_fingerprint``), and a model that is already patched.
+    """
+    if not isinstance(op, AloeOperator):
+        raise PatchError(f"expected an AloeOperator, got {type(op).__name__}")
+    existing = find_aloe_modules(model)
+    if existing:
+        raise PatchError(f"model is already patched with ALOE at {existing[0][0]}; call remove_aloe(model) first")
+    if layer is None:
+        layer = op.layer
+    if layer is None:
+        raise PatchError("no layer given and the operator does not record one")
+    site = locate_down_proj(model, layer)
+    if op.layer is not None and layer != op.layer:
+        raise PatchError(f"the operator was built for layer {op.layer}, not layer {layer}")
+    if (site.d, site.d_out) != (op.d, op.d_out):
+        raise PatchError(
+            f"{site.path} maps d={site.d} to d_out={site.d_out}, but the operator has d={op.d}, d_out={op.d_out}"
+        )
+    if check_fingerprint and op.weight_fingerprint:
+        found = weight_fingerprint(site.weight())
+        if found != op.weight_fingerprint:
+            raise PatchError(
+                f"{site.path}: weight fingerprint {found} does not match the operator's {op.weight_fingerprint} "
+                f"(built for {op.base_model or 'another model'}); pass check_fingerprint=False only if you know why"
+            )
+    w = site.weight()
+    dtype = op.dtype if op.dtype == torch.float64 else (torch.float32 if w.device.type == "cpu" else w.dtype)
+    wrapper = AloeDownProj(site.module, op.to(w.device, dtype), deterministic=deterministic)
+    setattr(site.parent, site.attr, wrapper)
+    return wrapper
+
+
+def remove_aloe(model: nn.Module) -> int:
+    """Undo :func:`apply_aloe`: restore every original module object. Returns how many were removed."""
+    removed = 0
+    for name, wrapper in find_aloe_modules(model):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, wrapper.base)
+        removed += 1
+    return removed
