@@ -46,6 +46,30 @@ def _stats(t) -> dict[str, float] | None:
     return {"min": float(t.min()), "median": float(t.median()), "max": float(t.max())}
 
 
+def _cmd_build(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .config import BuildConfig
+    from .data import load_edits
+    from .models import load_model
+    from .pipeline import build_operator
+
+    overrides = json.loads(Path(args.config).read_text()) if args.config else {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value) if value[:1] in "0123456789-[{tfn\"" else value
+    if args.layer is not None:
+        overrides["layer"] = args.layer
+    cfg = BuildConfig.from_dict(overrides)
+    requests = load_edits(args.edits, limit=args.limit, skip_invalid=args.skip_invalid)
+    model, tokenizer = load_model(args.model)
+    out = Path(args.out)
+    op = build_operator(model, tokenizer, requests, cfg, out_dir=out)
+    op.save(out)
+    print(f"wrote {op.n} edits to {out} (report: {out / 'build_report.json'})")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from benchmarks import bench_gate
 
@@ -60,6 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("operator", help="artifact directory")
     p.add_argument("--edits", type=int, default=0, help="also print the metadata of the first N edits")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("build", help="build an operator for a file of edit requests")
+    p.add_argument("--model", required=True, help="'smollm2' or a local transformers directory")
+    p.add_argument("--edits", required=True, help="edit requests (CounterFact, zsRE, KnowEdit or ALOE JSONL)")
+    p.add_argument("--out", required=True, help="artifact directory (also holds checkpoints and build_report.json)")
+    p.add_argument("--layer", type=int, default=None, help="edited decoder layer (default: the model family's)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N edits")
+    p.add_argument("--skip-invalid", action="store_true", help="skip records with an empty target instead of failing")
+    p.add_argument("--config", help="JSON file of BuildConfig fields")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field")
+    p.set_defaults(func=_cmd_build)
+
+    from .demo import add_demo_cli
+
+    add_demo_cli(sub)
 
     p = sub.add_parser("bench", help="gate-throughput microbenchmark (arguments go to benchmarks/bench_gate.py)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -80,7 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a clear one-line message rather than a traceback for expected errors
         from aloe_kernels.errors import AloeError
 
-        if isinstance(exc, (AloeError, FileNotFoundError)):
+        from .data import EditDataError
+        from .pipeline import BuildError
+
+        if isinstance(exc, (AloeError, FileNotFoundError, EditDataError, BuildError)):
             print(f"aloe {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise

@@ -1,0 +1,187 @@
+"""Stages 2-5: initialise, refine and calibrate the addresses.
+
+(2) v_i = c Q^T norm(K h(t_i)) from the request state.
+(4) Paper Eq. 5: a squared hinge pushes each address towards its worst
+    anchor and away from its worst negative; address norms are preserved.
+(5) Calibration turns scores into gates: a separable slot opens at 0.9 on its
+    worst anchor and keeps its worst negative inside the dead zone; an
+    inseparable slot gets a finite-temperature midpoint fitted to a balanced
+    worst-case loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .config import BuildConfig
+
+
+@dataclass
+class NegativeSet:
+    """Negative states: a pool shared by every slot plus states that are negatives of one slot only."""
+
+    shared: torch.Tensor  # (M, d)
+    shared_owner: torch.Tensor  # (M,) slot whose anchors these are (-1: a negative of every slot)
+    specific: torch.Tensor  # (S, d)
+    specific_owner: torch.Tensor  # (S,) the one slot each is a negative of
+
+    def worst(self, V: torch.Tensor, same_prompt: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+        """max_{h in N_i} v_i^T h for every slot, over the whole set."""
+        return self.top(V, same_prompt, 1, chunk)[0][:, 0]
+
+    def top(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k hardest negatives of every slot: (scores (n, k), states (n, k, d))."""
+        n, d = V.shape
+        best_s = torch.full((n, k), -math.inf)
+        best_h = torch.zeros(n, k, d)
+        with torch.no_grad():
+            for start in range(0, n, chunk):
+                rows = torch.arange(start, min(n, start + chunk))
+                s = V[rows] @ self.shared.T  # (r, M)
+                own = self.shared_owner[None, :] >= 0
+                # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are not negatives
+                blocked = own & same_prompt[rows][:, self.shared_owner.clamp_min(0)]
+                s = s.masked_fill(blocked, -math.inf)
+                kk = min(k, s.shape[1])
+                if kk:
+                    vals, idx = s.topk(kk, dim=1)
+                    best_s[rows, :kk] = vals
+                    best_h[rows, :kk] = self.shared[idx]
+            if self.specific.shape[0]:
+                s_spec = (V[self.specific_owner] * self.specific).sum(-1)
+                for i in range(n):
+                    sel = (self.specific_owner == i).nonzero().squeeze(1)
+                    if sel.numel() == 0:
+                        continue
+                    cand_s = torch.cat([best_s[i], s_spec[sel]])
+                    cand_h = torch.cat([best_h[i], self.specific[sel]])
+                    vals, idx = cand_s.topk(k)
+                    best_s[i], best_h[i] = vals, cand_h[idx]
+        return best_s, best_h
+
+
+def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """min_{h in P_i} v_i^T h for every slot."""
+    s = (V[owner] * anchors).sum(-1)
+    out = torch.full((V.shape[0],), math.inf, dtype=s.dtype)
+    return out.scatter_reduce(0, owner, s, reduce="amin")
+
+
+def refine_addresses(
+    V0: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_owner: torch.Tensor,
+    negatives: NegativeSet,
+    same_prompt: torch.Tensor,
+    cfg: BuildConfig,
+) -> tuple[torch.Tensor, list[float]]:
+    """Paper Eq. 5 with hard-negative re-mining; returns refined addresses and the loss curve."""
+    norms = V0.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    V = V0.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0)
+    margin = cfg.refine_margin * norms.squeeze(1)
+    losses: list[float] = []
+    hard_h = None
+    bar = tqdm(range(cfg.refine_steps), desc="stage 4: address refinement", leave=False)
+    for step in bar:
+        if hard_h is None or step % cfg.refine_remine_every == 0:
+            _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
+        pos = min_anchor_scores(V, anchors, anchor_owner)
+        neg = torch.einsum("nkd,nd->nk", hard_h, V).max(1).values
+        hinge = F.relu(margin - pos + neg)
+        loss = (hinge**2).mean()
+        if cfg.refine_anchor_keep:
+            loss = loss + cfg.refine_anchor_keep * ((V - V0) ** 2).sum(1).div(norms.squeeze(1) ** 2).mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
+        losses.append(float(loss))
+        if float(loss) == 0.0 and step % cfg.refine_remine_every != 0:
+            # every slot clears its margin against the mined negatives: re-mine to confirm
+            _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
+            if float(F.relu(margin - pos + torch.einsum("nkd,nd->nk", hard_h, V).max(1).values).max()) == 0.0:
+                break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            V.mul_(norms / V.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+    return V.detach(), losses
+
+
+@dataclass
+class Calibration:
+    thresholds: torch.Tensor
+    temperatures: torch.Tensor
+    separable: torch.Tensor  # bool per slot
+    worst_positive: torch.Tensor
+    worst_negative: torch.Tensor
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def calibrate(
+    V: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_owner: torch.Tensor,
+    negatives: NegativeSet,
+    same_prompt: torch.Tensor,
+    gate_eps: float,
+    cfg: BuildConfig,
+) -> Calibration:
+    """Stage 5: thresholds and temperatures from the worst anchor and the worst negative of each slot."""
+    s_pos = min_anchor_scores(V, anchors, anchor_owner)
+    hard_s, hard_h = negatives.top(V, same_prompt, cfg.refine_hard_negatives)
+    s_neg = hard_s[:, 0]
+    norms = V.norm(dim=1).clamp_min(1e-12)
+    p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
+    z_pos = _logit(p_open)
+    # the worst negative lands this many logits below the dead-zone edge: its gate is exactly 0
+    z_neg = _logit(gate_eps) - cfg.negative_slack * 100
+    gap = s_pos - s_neg
+    separable = gap > 1e-6 * norms
+    alpha = torch.where(separable, (z_pos - z_neg) / gap.clamp_min(1e-12), cfg.inseparable_temperature / norms)
+    tau = torch.where(separable, s_pos - z_pos / alpha, (s_pos + s_neg) / 2)
+    bad = (~separable).nonzero().squeeze(1)
+    if bad.numel():
+        tau_b, alpha_b = _fit_inseparable(
+            V[bad], anchors, anchor_owner, bad, hard_h[bad], tau[bad], alpha[bad], cfg
+        )
+        tau[bad], alpha[bad] = tau_b, alpha_b
+    return Calibration(tau, alpha, separable, s_pos, s_neg)
+
+
+def _fit_inseparable(V, anchors, anchor_owner, rows, hard_h, tau0, alpha0, cfg: BuildConfig):
+    """Balanced worst-case loss of an inseparable slot over its anchors and hardest negatives:
+    the mean of a logistic loss on the worst half of each side, alpha kept >= its initial value."""
+    remap = torch.full((int(anchor_owner.max()) + 1,), -1, dtype=torch.long)
+    remap[rows] = torch.arange(len(rows))
+    keep = remap[anchor_owner] >= 0
+    a_h, a_own = anchors[keep], remap[anchor_owner[keep]]
+    s_pos = (V[a_own] * a_h).sum(-1)
+    s_neg = torch.einsum("nkd,nd->nk", hard_h, V)
+    tau = tau0.clone().requires_grad_(True)
+    log_extra = torch.zeros_like(alpha0, requires_grad=True)
+    opt = torch.optim.Adam([tau, log_extra], lr=0.05)
+    for _ in range(cfg.calibration_steps):
+        alpha = alpha0 * log_extra.exp()
+        lp = F.softplus(-alpha[a_own] * (s_pos - tau[a_own]))
+        worst_pos = torch.zeros_like(tau).scatter_reduce(0, a_own, lp, reduce="amax", include_self=False)
+        ln = F.softplus(alpha[:, None] * (s_neg - tau[:, None]))
+        worst_neg = ln.topk(max(1, ln.shape[1] // 2), dim=1).values.mean(1)
+        loss = (worst_pos + worst_neg).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            log_extra.clamp_(min=0.0)
+    return tau.detach(), (alpha0 * log_extra.exp()).detach()

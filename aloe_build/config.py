@@ -1,0 +1,79 @@
+"""Every knob of the build pipeline, with the paper's defaults where it gives them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class BuildConfig:
+    """Configuration of :func:`aloe_build.build_operator`.
+
+    Stage numbers follow the Method section of the paper: (1) address encoder,
+    (2) address initialisation, (3) rollouts, (4) refinement, (5) calibration,
+    (6) write targets, (7) joint ridge solve, (8) NLL fine-tuning of the writes.
+    """
+
+    layer: int | None = None  # edited decoder layer; None = the model family's default
+    seed: int = 0
+    batch_size: int = 32  # prompts per forward pass when collecting states
+    compute_dtype: str = "float32"  # "bfloat16" runs the write stages under CPU/GPU autocast
+
+    # (1) address encoder, trained on a construction corpus disjoint from the edited stream
+    encoder_corpus: str | None = None  # path of a CounterFact-style file; None = ../shared/data train split if present
+    encoder_records: int = 4000  # corpus records used (states are collected once per model and layer)
+    encoder_dim: int = 256  # p: rows of Q and K
+    encoder_steps: int = 1500
+    encoder_batch: int = 64  # records per relation-balanced minibatch
+    encoder_lr: float = 2e-3
+    encoder_margin: float = 0.2  # locality / same-subject margin m in score units
+    encoder_ortho: float = 0.1  # weight of the key orthogonality penalty
+    encoder_same_subject: int = 2  # same-subject other-relation prompts per corpus record
+    encoder_cache: str | None = None  # directory of cached encoders; None = ~/.cache/aloe/encoders
+
+    # (3) rollouts: anchors from the request and its target; negatives from other text
+    max_target_tokens: int = 8  # anchor positions along the target continuation
+    negative_pool_records: int = 800  # corpus records whose prompts (all positions) form the shared negative pool
+    negatives_same_subject: int = 3  # other-relation templates filled with the edit's subject
+    negatives_same_relation: int = 3  # the edit's template filled with other corpus subjects
+
+    # (4) refinement (paper Eq. 5)
+    refine_steps: int = 3000
+    refine_lr: float = 0.01
+    refine_margin: float = 0.1  # m_i as a fraction of |v_i|
+    refine_hard_negatives: int = 32  # negatives per edit kept between re-minings
+    refine_remine_every: int = 250
+    refine_anchor_keep: float = 0.0  # pull towards the initial address (0 = the paper's loss alone)
+
+    # (5) calibration
+    open_gate: float = 0.9  # gate of the worst positive of a separable slot
+    negative_slack: float = 0.02  # the worst negative sits this far (in score units x |v|) below the dead zone edge
+    inseparable_temperature: float = 8.0  # initial alpha of inseparable slots (per unit |v|)
+    calibration_steps: int = 200
+
+    # (6) write targets
+    target_steps: int = 25
+    target_lr: float = 0.5
+    target_rank: int = 16  # rank of each edit's down-projection change before it is evaluated on the anchor
+    target_batch: int = 32
+
+    # (7) joint ridge solve (paper Eq. 6)
+    ridge_lambda: float = 1.0
+    ridge_mu: float = 1e-3
+
+    # (8) NLL fine-tuning of the writes, V, tau, alpha frozen
+    finetune_steps: int = 100
+    finetune_lr: float = 0.05
+    finetune_batch: int = 64  # edits per step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BuildConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"BuildConfig: unknown fields {sorted(unknown)}")
+        return cls(**data)

@@ -1,0 +1,95 @@
+"""The construction corpus: training items for the address encoder and the
+shared pool of negative prompts.
+
+It comes from a benchmark split that is NOT the stream being edited
+(default: a bundled part of CounterFact train), so no evaluation field of the edited stream
+(rephrases, locality prompts) is ever used to build its operator.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from .data import EditRequest, load_edits, relation_templates
+
+# The first 4,000 records of CounterFact's train split (EasyEdit split; MIT
+# license, from ROME), shipped with the package so that a build needs no
+# external data. Streams evaluated here come from other splits.
+BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpora" / "counterfact-train-4k.jsonl"
+
+
+def default_corpus_path() -> Path:
+    if not BUNDLED_CORPUS.is_file():
+        raise FileNotFoundError(
+            f"construction corpus not found at {BUNDLED_CORPUS}: reinstall the package or pass "
+            "BuildConfig.encoder_corpus (a CounterFact-style file with rephrase and locality prompts)"
+        )
+    return BUNDLED_CORPUS
+
+
+@dataclass
+class CorpusItem:
+    """One training item: request t, paraphrase x+, locality input x-, same-subject other-relation prompts r-."""
+
+    request: str
+    paraphrase: str
+    locality: str
+    same_subject: list[str]
+    group: str  # relation id, or the template when the data has none
+    subject: str
+
+
+class Corpus:
+    """Construction corpus items plus the templates mined from it."""
+
+    def __init__(self, records: list[EditRequest], same_subject: int, seed: int):
+        self.records = [r for r in records if r.rephrases and r.locality and r.template]
+        if len(self.records) < 8:
+            raise ValueError(
+                f"construction corpus: only {len(self.records)} usable records (each needs a rephrase, a locality "
+                "prompt and a subject inside its prompt)"
+            )
+        self.templates = relation_templates(self.records)
+        self.group_of_template = {t: g for g, ts in self.templates.items() for t in ts}
+        self.subjects = sorted({r.subject for r in self.records})
+        rng = random.Random(seed)
+        groups = list(self.templates)
+        self.items: list[CorpusItem] = []
+        for r in self.records:
+            group = self.group_of_template[r.template]
+            others = self.other_relation_prompts(r.subject, group, same_subject, rng, groups)
+            self.items.append(
+                CorpusItem(r.prompt, r.rephrases[0], r.locality[0].prompt, others, group, r.subject)
+            )
+
+    def other_relation_prompts(self, subject: str, group: str, k: int, rng: random.Random,
+                               groups: list[str] | None = None) -> list[str]:
+        """``k`` prompts about ``subject`` under templates of other relation groups."""
+        groups = groups or list(self.templates)
+        out: list[str] = []
+        tries = 0
+        while len(out) < k and tries < 20 * k:
+            tries += 1
+            g = rng.choice(groups)
+            if g == group:
+                continue
+            out.append(rng.choice(self.templates[g]).replace("{}", subject))
+        return out
+
+    def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:
+        """``template`` filled with ``k`` other corpus subjects (same relation, other subject)."""
+        out: list[str] = []
+        while len(out) < k and len(self.subjects) > 1:
+            s = rng.choice(self.subjects)
+            if s != subject:
+                out.append(template.replace("{}", s))
+        return out
+
+
+def load_corpus(path: str | os.PathLike | None, limit: int, same_subject: int, seed: int) -> tuple[Corpus, Path]:
+    """Read the first ``limit`` records of a construction corpus file (default: the bundled one)."""
+    p = Path(path) if path else default_corpus_path()
+    return Corpus(load_edits(p, limit=limit), same_subject, seed), p

@@ -1,0 +1,363 @@
+"""``build_operator``: edit requests in, an ALOE operator out (paper, Method section).
+
+Each stage writes a checkpoint into ``<out>/checkpoints`` (safetensors + JSON,
+keyed by a hash of the requests and the configuration), so an interrupted
+build resumes at the first stage that has none; a NaN stops the build with
+the stage named and the earlier checkpoints kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from aloe_kernels import AloeOperator, weight_fingerprint
+from aloe_kernels.hf import locate_down_proj
+
+from . import addresses as addr
+from .config import BuildConfig
+from .corpus import Corpus, load_corpus
+from .data import EditRequest
+from .encoder import AddressEncoder, build_encoder, cache_key
+from .states import collect_states, encode_prompt, encode_target, last_token_states, max_context
+from .writes import finetune_writes, gates_of, ridge_writes, write_targets
+
+
+class BuildError(RuntimeError):
+    """A build stopped; the message names the stage and what to do."""
+
+
+@dataclass
+class Slot:
+    """One address: edits with identical (prompt, target) share it."""
+
+    prompt: str
+    target: str
+    subject: str
+    ids: list[str]
+    relation: str | None
+
+
+@dataclass
+class BuildReport:
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def stage(self, name: str, seconds: float, **info: Any) -> None:
+        self.stages[name] = {"seconds": round(seconds, 2), **info}
+
+
+def _slots(requests: Sequence[EditRequest]) -> list[Slot]:
+    slots: dict[tuple[str, str], Slot] = {}
+    for i, r in enumerate(requests):
+        key = (r.prompt, r.target_new)
+        rid = r.id if r.id is not None else f"edit-{i}"
+        if key in slots:
+            slots[key].ids.append(rid)
+        else:
+            slots[key] = Slot(r.prompt, r.target_new, r.subject, [rid], r.relation)
+    return list(slots.values())
+
+
+def _validate(model, tokenizer, requests: Sequence[EditRequest], layer: int) -> None:
+    if not requests:
+        raise BuildError("no edit requests: give at least one")
+    locate_down_proj(model, layer)  # raises PatchError for a bad layer or a model without an MLP down-projection
+    limit = max_context(model, tokenizer)
+    ids_seen: set[str] = set()
+    for i, r in enumerate(requests):
+        if not isinstance(r, EditRequest):
+            raise BuildError(f"request {i}: expected an EditRequest, got {type(r).__name__}")
+        if not r.target_new.strip():
+            raise BuildError(f"request {i} ({r.id}): empty target_new")
+        n_tok = len(encode_prompt(tokenizer, r.prompt)) + len(encode_target(tokenizer, r.target_new))
+        if n_tok > limit:
+            raise BuildError(f"request {i} ({r.id}): prompt + target is {n_tok} tokens, over the model context of {limit}")
+        if r.id is not None:
+            if r.id in ids_seen:
+                raise BuildError(f"request {i}: duplicate id {r.id!r}")
+            ids_seen.add(r.id)
+
+
+class _Checkpoints:
+    """Stage outputs in ``root``, valid only for the same requests and configuration."""
+
+    def __init__(self, root: Path | None, key: str):
+        self.root, self.key = root, key
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+
+    def _paths(self, stage: str) -> tuple[Path, Path]:
+        assert self.root is not None
+        return self.root / f"{stage}.safetensors", self.root / f"{stage}.json"
+
+    def load(self, stage: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+        if self.root is None:
+            return None
+        t_path, j_path = self._paths(stage)
+        if not (t_path.is_file() and j_path.is_file()):
+            return None
+        meta = json.loads(j_path.read_text())
+        if meta.get("key") != self.key:
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(str(t_path)), meta
+
+    def save(self, stage: str, tensors: dict[str, torch.Tensor], **meta: Any) -> None:
+        if self.root is None:
+            return
+        from safetensors.torch import save_file
+
+        t_path, j_path = self._paths(stage)
+        tmp = t_path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, t_path)
+        j_path.write_text(json.dumps({"key": self.key, **meta}))
+
+
+def _run_key(requests: Sequence[EditRequest], cfg: BuildConfig, fingerprint: str, layer: int) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([r.to_dict() for r in requests], sort_keys=True, ensure_ascii=False).encode())
+    h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
+    h.update(f"{fingerprint}:{layer}".encode())
+    return h.hexdigest()[:16]
+
+
+def _encoder(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig
+             ) -> tuple[AddressEncoder, dict, bool]:
+    if (path / "encoder.safetensors").is_file():
+        enc, metrics = AddressEncoder.load(path)
+        return enc, metrics, True
+    enc, metrics = build_encoder(model, tokenizer, corpus, layer, cfg)
+    enc.save(path, metrics)
+    return enc, metrics, False
+
+
+def _shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
+    """States at every position of corpus prompts (requests, locality inputs, same-subject prompts):
+    negatives for every edit. They depend only on the model, layer and corpus, so they are cached
+    beside the encoder and shared by every build."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / f"negatives-{cfg.negative_pool_records}.safetensors"
+    if file.is_file():
+        return load_file(str(file))["states"]
+    texts: list[str] = []
+    for it in corpus.items[: cfg.negative_pool_records]:
+        texts += [it.request, it.locality, *it.same_subject[:1]]
+    texts = list(dict.fromkeys(texts))
+    pool = collect_states(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts], layer, None,
+                          cfg.batch_size, "stage 3: shared negatives").states
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(".tmp")
+    save_file({"states": pool.contiguous()}, str(tmp))
+    os.replace(tmp, file)
+    return pool
+
+
+def _drop_duplicates_of(pool: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Pool states that are not (numerically) an anchor: a corpus prompt identical to an edit's
+    request must not become that edit's negative."""
+    keep = torch.ones(pool.shape[0], dtype=torch.bool)
+    for start in range(0, pool.shape[0], chunk):
+        sim = pool[start: start + chunk] @ anchors.T
+        keep[start: start + chunk] = sim.max(1).values < 0.9999 if anchors.shape[0] else True
+    return pool[keep]
+
+
+def encoder_cache_dir(cfg: BuildConfig, fingerprint: str, layer: int, corpus_path: Path) -> Path:
+    """Where the encoder and the shared negatives of a (model weight, layer, corpus, settings) live."""
+    default = Path(os.environ.get("ALOE_CACHE", Path.home() / ".cache" / "aloe")) / "encoders"
+    root = Path(cfg.encoder_cache) if cfg.encoder_cache else default
+    return root / cache_key(fingerprint, layer, corpus_path, cfg)
+
+
+def build_operator(
+    model,
+    tokenizer,
+    requests: Sequence[EditRequest],
+    config: BuildConfig | None = None,
+    out_dir: str | os.PathLike | None = None,
+    log: Callable[[str], None] | None = print,
+) -> AloeOperator:
+    """Build an ALOE operator for ``requests`` on ``model`` (paper, Method section, stages 1-8).
+
+    With ``out_dir`` every stage checkpoints into ``out_dir/checkpoints`` and
+    ``out_dir/build_report.json`` records per-stage time, losses, separability
+    and gate statistics; the artifact itself is saved by the caller
+    (``AloeOperator.save``) or by ``aloe build``.
+    """
+    from .models import default_layer, model_name
+
+    cfg = config or BuildConfig()
+    say = log or (lambda _msg: None)
+    layer = cfg.layer if cfg.layer is not None else default_layer(model)
+    _validate(model, tokenizer, requests, layer)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    site = locate_down_proj(model, layer)
+    fingerprint = weight_fingerprint(site.weight())
+    out = Path(out_dir) if out_dir else None
+    ckpt = _Checkpoints(out / "checkpoints" if out else None, _run_key(requests, cfg, fingerprint, layer))
+    report = BuildReport()
+    slots = _slots(requests)
+    n = len(slots)
+    say(f"building {n} slots for {len(requests)} edits at {site.path}")
+    rng = random.Random(cfg.seed)
+
+    def stage(name: str, fn: Callable[[], dict[str, torch.Tensor]], **extra) -> dict[str, torch.Tensor]:
+        cached = ckpt.load(name)
+        if cached is not None:
+            tensors, meta = cached
+            report.stages[name] = {**meta.get("report", {}), "resumed": True}
+            say(f"{name}: resumed from checkpoint")
+            return tensors
+        t0 = time.perf_counter()
+        try:
+            tensors = fn()
+        except FloatingPointError as exc:
+            where = f"; checkpoints of earlier stages are kept in {ckpt.root}" if ckpt.root else ""
+            raise BuildError(f"{exc}{where}") from exc
+        info = report.stages.get(name, {})
+        report.stage(name, time.perf_counter() - t0, **info, **extra)
+        ckpt.save(name, tensors, report=report.stages[name])
+        say(f"{name}: done in {report.stages[name]['seconds']:.1f}s")
+        return tensors
+
+    # (1) encoder + the corpus that also supplies negatives
+    corpus, corpus_path = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
+    t0 = time.perf_counter()
+    enc_dir = encoder_cache_dir(cfg, fingerprint, layer, corpus_path)
+    enc, enc_metrics, reused = _encoder(model, tokenizer, layer, enc_dir, corpus, cfg)
+    report.stage("1_encoder", time.perf_counter() - t0, reused=reused, corpus=str(corpus_path), **enc_metrics)
+    say(f"1_encoder: {'reused' if reused else 'trained'}; held-out learned {enc_metrics.get('learned')}")
+
+    # token sequences: prompt + target, anchors along the target
+    p_ids = [encode_prompt(tokenizer, s.prompt) for s in slots]
+    t_ids = [encode_target(tokenizer, s.target) for s in slots]
+    seqs = [p + t for p, t in zip(p_ids, t_ids)]
+    anchor_pos = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cfg.max_target_tokens))) for p, t in zip(p_ids, t_ids)]
+    same_prompt = torch.tensor([[a.prompt == b.prompt for b in slots] for a in slots])
+
+    # (2) initial addresses from the request states
+    def init() -> dict[str, torch.Tensor]:
+        h_req = last_token_states(model, tokenizer, [s.prompt for s in slots], layer, cfg.batch_size, "stage 2: request states")
+        return {"V0": enc.addresses(h_req).contiguous()}
+
+    V0 = stage("2_init", init)["V0"]
+
+    # (3) rollouts: anchors H+ and negatives H-
+    def rollouts() -> dict[str, torch.Tensor]:
+        anchors = collect_states(model, tokenizer, seqs, layer, anchor_pos, cfg.batch_size, "stage 3: anchor states")
+        pool = _drop_duplicates_of(_shared_negatives(model, tokenizer, layer, enc_dir, corpus, cfg), anchors.states)
+        spec_seqs, spec_pos, spec_owner = [], [], []
+        for i, s in enumerate(slots):
+            own_prefix = list(range(len(p_ids[i]) - 1))
+            if own_prefix:  # earlier positions of the request itself
+                spec_seqs.append(p_ids[i])
+                spec_pos.append(own_prefix)
+                spec_owner.append(i)
+            template = s.prompt.replace(s.subject, "{}", 1) if s.subject and s.subject in s.prompt else None
+            group = corpus.group_of_template.get(template or "", s.relation or template or "")
+            texts = corpus.other_relation_prompts(s.subject, group, cfg.negatives_same_subject, rng) if s.subject else []
+            if template:
+                texts += corpus.other_subject_prompts(template, s.subject, cfg.negatives_same_relation, rng)
+            for t in texts:
+                ids = encode_prompt(tokenizer, t)
+                spec_seqs.append(ids)
+                spec_pos.append(list(range(len(ids))))
+                spec_owner.append(i)
+        spec = collect_states(model, tokenizer, spec_seqs, layer, spec_pos, cfg.batch_size, "stage 3: edit negatives")
+        owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
+        report.stages["3_rollouts"] = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
+                                       "edit_negatives": int(spec.states.shape[0])}
+        return {"anchors": anchors.states, "anchor_owner": anchors.owner(), "pool": pool,
+                "specific": spec.states, "specific_owner": owner}
+
+    roll = stage("3_rollouts", rollouts)
+    anchors, anchor_owner = roll["anchors"], roll["anchor_owner"]
+    negatives = addr.NegativeSet(
+        shared=torch.cat([roll["pool"], anchors]),
+        shared_owner=torch.cat([torch.full((roll["pool"].shape[0],), -1, dtype=torch.long), anchor_owner]),
+        specific=roll["specific"],
+        specific_owner=roll["specific_owner"],
+    )
+
+    # (4) refinement
+    def refine() -> dict[str, torch.Tensor]:
+        V, losses = addr.refine_addresses(V0, anchors, anchor_owner, negatives, same_prompt, cfg)
+        report.stages["4_refine"] = {"steps": len(losses), "loss_first": losses[0] if losses else None,
+                                     "loss_last": losses[-1] if losses else None}
+        return {"V": V}
+
+    V = stage("4_refine", refine)["V"]
+
+    # (5) calibration
+    gate_eps = 1e-3
+
+    def calibration() -> dict[str, torch.Tensor]:
+        cal = addr.calibrate(V, anchors, anchor_owner, negatives, same_prompt, gate_eps, cfg)
+        report.stages["5_calibrate"] = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum())}
+        return {"tau": cal.thresholds, "alpha": cal.temperatures, "separable": cal.separable.to(torch.uint8)}
+
+    cal = stage("5_calibrate", calibration)
+    edits_meta = [{"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject} for s in slots]
+    header = dict(eps=1e-6, gate_eps=gate_eps, edits=edits_meta, layer=layer, module_path=site.path,
+                  base_model=model_name(model), weight_fingerprint=fingerprint)
+    gated = AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"],
+                         writes=torch.zeros(n, site.d_out), **header)
+    target_lens = [min(len(t), cfg.max_target_tokens) for t in t_ids]
+    tseqs = [p + t[: cfg.max_target_tokens] for p, t in zip(p_ids, t_ids)]
+
+    # (6) write targets
+    def targets() -> dict[str, torch.Tensor]:
+        deltas, nll = write_targets(model, tokenizer, tseqs, target_lens, gated, cfg)
+        report.stages["6_targets"] = {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll)}
+        return {"Y": deltas}
+
+    Y = stage("6_targets", targets)["Y"]
+
+    # (7) joint ridge solve
+    def solve() -> dict[str, torch.Tensor]:
+        neg_states = torch.cat([roll["pool"], roll["specific"]])
+        return {"U0": ridge_writes(Y, anchors, anchor_owner, neg_states, gated, cfg)}
+
+    U0 = stage("7_ridge", solve)["U0"]
+
+    # (8) NLL fine-tuning
+    def finetune() -> dict[str, torch.Tensor]:
+        op0 = AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"], writes=U0, **header)
+        U, losses = finetune_writes(model, tokenizer, tseqs, target_lens, op0, cfg)
+        report.stages["8_finetune"] = {"steps": len(losses), "nll_first": losses[0] if losses else None,
+                                       "nll_last": losses[-1] if losses else None}
+        return {"U": U}
+
+    U = stage("8_finetune", finetune)["U"]
+    op = AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"], writes=U, **header)
+    report.stages["gates"] = _gate_stats(op, anchors, anchor_owner, torch.cat([roll["pool"], roll["specific"]]))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "build_report.json").write_text(json.dumps({"config": cfg.to_dict(), "slots": n, "edits": len(requests),
+                                                          "stages": report.stages}, indent=1, default=str))
+    return op
+
+
+def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives) -> dict[str, float]:
+    g_anchor = gates_of(anchors, op)
+    own = g_anchor[torch.arange(len(anchor_owner)), anchor_owner]
+    g_neg = gates_of(negatives, op)
+    return {
+        "anchor_own_gate_median": float(own.median()),
+        "anchor_own_gate_min": float(own.min()),
+        "anchor_open_share": float((own > 0).double().mean()),
+        "negative_any_open_share": float((g_neg > 0).any(1).double().mean()) if g_neg.numel() else 0.0,
+        "negative_max_gate": float(g_neg.max()) if g_neg.numel() else 0.0,
+    }

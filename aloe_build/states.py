@@ -1,0 +1,172 @@
+"""Hidden states at the input of the edited down-projection.
+
+The input of layer L's down-projection at position t depends only on tokens
+0..t: an edit added to layer L's output changes later layers, never this
+state. So the states an edited model passes through while it generates the
+new target are the states of the teacher-forced sequence prompt + target,
+and they can be collected once, before any write exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from aloe_kernels.hf import locate_down_proj
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook to skip the layers above the edited one."""
+
+
+@contextlib.contextmanager
+def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True) -> Iterator[dict]:
+    """Within the context, every forward stores the down-projection input under ``box["h"]``.
+
+    With ``stop`` the forward is cut right after the capture (use :func:`run_captured`).
+    """
+    site = locate_down_proj(model, layer)
+    box: dict = {}
+
+    def hook(module, args):
+        box["h"] = args[0].detach()
+        if stop:
+            raise _StopForward
+
+    handle = site.module.register_forward_pre_hook(hook)
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+def run_captured(model: nn.Module, box: dict, **inputs) -> torch.Tensor:
+    """Run the model until the capture hook fires; returns the captured (B, T, d) input."""
+    box.pop("h", None)
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+    except _StopForward:
+        pass
+    if "h" not in box:
+        raise RuntimeError("the down-projection of the edited layer was not reached in the forward pass")
+    return box["h"]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists; returns (input_ids, attention_mask)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def batch_inputs(seqs: Sequence[Sequence[int]], pad: int, device) -> dict[str, torch.Tensor]:
+    """Left-padded model inputs with explicit position ids, so that padding does
+    not shift absolute positions (GPT-2) and every row sees positions 0..len-1."""
+    ids, mask = left_pad(seqs, pad, device)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+
+
+def pad_id(tokenizer) -> int:
+    pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pid if pid is not None else 0)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a prompt, as the tokenizer encodes it for generation (special tokens included)."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def encode_target(tokenizer, target: str) -> list[int]:
+    """Token ids of a target continuation: a leading space, no special tokens."""
+    return list(tokenizer(" " + target.strip(), add_special_tokens=False)["input_ids"])
+
+
+def max_context(model: nn.Module, tokenizer) -> int:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    tok_limit = getattr(tokenizer, "model_max_length", None)
+    candidates = [x for x in (limit, tok_limit) if isinstance(x, int) and 0 < x < 10**8]
+    return min(candidates) if candidates else 2048
+
+
+@dataclass
+class StateBatch:
+    """Normalized states of many sequences, flattened: ``states[offsets[i]:offsets[i+1]]`` belong to sequence i."""
+
+    states: torch.Tensor  # (N, d) float32, unit rows (zero rows stay zero)
+    offsets: torch.Tensor  # (num_sequences + 1,) long
+
+    def of(self, i: int) -> torch.Tensor:
+        return self.states[int(self.offsets[i]): int(self.offsets[i + 1])]
+
+    def owner(self) -> torch.Tensor:
+        """For every state row, the index of its sequence."""
+        counts = self.offsets[1:] - self.offsets[:-1]
+        return torch.repeat_interleave(torch.arange(len(counts)), counts)
+
+
+def normalize_rows(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    h = h.float()
+    return h / h.norm(dim=-1, keepdim=True).clamp_min(eps)
+
+
+def collect_states(
+    model: nn.Module,
+    tokenizer,
+    sequences: Sequence[Sequence[int]],
+    layer: int,
+    positions: Sequence[Sequence[int]] | None = None,
+    batch_size: int = 32,
+    desc: str | None = None,
+) -> StateBatch:
+    """Normalized down-projection inputs at layer ``layer`` for token id sequences.
+
+    ``positions[i]`` lists the positions of sequence i to keep (0-based, in the
+    unpadded sequence); None keeps every position.
+    """
+    device = model_device(model)
+    pid = pad_id(tokenizer)
+    out: list[torch.Tensor] = []
+    counts: list[int] = []
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a batch
+    kept: dict[int, torch.Tensor] = {}
+    with capture_down_proj_input(model, layer) as box:
+        for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=desc is None, leave=False):
+            idx = order[start: start + batch_size]
+            inputs = batch_inputs([sequences[i] for i in idx], pid, device)
+            h = run_captured(model, box, **inputs)
+            width = inputs["input_ids"].shape[1]
+            for row, i in enumerate(idx):
+                n = len(sequences[i])
+                pos = list(range(n)) if positions is None else list(positions[i])
+                cols = torch.tensor([width - n + p for p in pos], dtype=torch.long, device=h.device)
+                kept[i] = normalize_rows(h[row].index_select(0, cols)).cpu()
+    for i in range(len(sequences)):
+        out.append(kept[i])
+        counts.append(kept[i].shape[0])
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.long), 0)
+    d = locate_down_proj(model, layer).d
+    states = torch.cat(out) if out else torch.zeros(0, d)
+    return StateBatch(states, offsets)
+
+
+def last_token_states(model, tokenizer, texts: Sequence[str], layer: int, batch_size: int = 32,
+                      desc: str | None = None) -> torch.Tensor:
+    """Normalized state at the last token of each text, (len(texts), d)."""
+    seqs = [encode_prompt(tokenizer, t) for t in texts]
+    return collect_states(model, tokenizer, seqs, layer, [[len(s) - 1] for s in seqs], batch_size, desc).states
