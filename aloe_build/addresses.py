@@ -100,7 +100,7 @@ def refine_addresses(
             loss = loss + cfg.refine_anchor_keep * ((V - V0) ** 2).sum(1).div(norms.squeeze(1) ** 2).mean()
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if float(loss) == 0.0 and step % cfg.refine_remine_every != 0:
             # every slot clears its margin against the mined negatives: re-mine to confirm
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
@@ -146,7 +146,7 @@ def calibrate(
     p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
     z_pos = _logit(p_open)
     # the worst negative lands this many logits below the dead-zone edge: its gate is exactly 0
-    z_neg = _logit(gate_eps) - cfg.negative_slack * 100
+    z_neg = _logit(gate_eps) - cfg.calibration_negative_slack
     gap = s_pos - s_neg
     separable = gap > 1e-6 * norms
     alpha = torch.where(separable, (z_pos - z_neg) / gap.clamp_min(1e-12), cfg.inseparable_temperature / norms)

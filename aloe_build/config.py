@@ -18,7 +18,7 @@ class BuildConfig:
     layer: int | None = None  # edited decoder layer; None = the model family's default
     seed: int = 0
     batch_size: int = 32  # prompts per forward pass when collecting states
-    compute_dtype: str = "float32"  # "bfloat16" runs the write stages under CPU/GPU autocast
+    compute_dtype: str = "bfloat16"  # the write stages (6, 8) run under autocast in this dtype; "float32" turns it off
 
     # (1) address encoder, trained on a construction corpus disjoint from the edited stream
     encoder_corpus: str | None = None  # path of a CounterFact-style file; None = ../shared/data train split if present
@@ -48,7 +48,7 @@ class BuildConfig:
 
     # (5) calibration
     open_gate: float = 0.9  # gate of the worst positive of a separable slot
-    negative_slack: float = 0.02  # the worst negative sits this far (in score units x |v|) below the dead zone edge
+    calibration_negative_slack: float = 2.0  # logits by which the worst negative sits below the dead-zone edge
     inseparable_temperature: float = 8.0  # initial alpha of inseparable slots (per unit |v|)
     calibration_steps: int = 200
 
@@ -67,6 +67,11 @@ class BuildConfig:
     finetune_lr: float = 0.05
     finetune_batch: int = 64  # edits per step
 
+    def fields_up_to(self, stage: int) -> dict[str, Any]:
+        """The fields that stages 1..stage depend on (a checkpoint of that stage stays valid
+        when only later fields change)."""
+        return {k: v for k, v in self.to_dict().items() if _STAGE_OF.get(k.split("_")[0], 0) <= stage}
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -77,3 +82,21 @@ class BuildConfig:
         if unknown:
             raise ValueError(f"BuildConfig: unknown fields {sorted(unknown)}")
         return cls(**data)
+
+
+# Which stage a field belongs to, by its prefix; fields without one (seed, batch size,
+# compute dtype, layer) affect every stage.
+_STAGE_OF = {
+    "encoder": 1,
+    "compute": 6,
+    "max": 3,
+    "negative": 3,
+    "negatives": 3,
+    "refine": 4,
+    "open": 5,
+    "inseparable": 5,
+    "calibration": 5,
+    "target": 6,
+    "ridge": 7,
+    "finetune": 8,
+}

@@ -89,10 +89,14 @@ def _validate(model, tokenizer, requests: Sequence[EditRequest], layer: int) -> 
 class _Checkpoints:
     """Stage outputs in ``root``, valid only for the same requests and configuration."""
 
-    def __init__(self, root: Path | None, key: str):
-        self.root, self.key = root, key
+    def __init__(self, root: Path | None, key: str, cfg: BuildConfig):
+        self.root, self.base_key, self.cfg = root, key, cfg
         if root is not None:
             root.mkdir(parents=True, exist_ok=True)
+
+    def key(self, stage: str) -> str:
+        fields = self.cfg.fields_up_to(int(stage.split("_")[0]))
+        return hashlib.sha256(json.dumps([self.base_key, fields], sort_keys=True).encode()).hexdigest()[:16]
 
     def _paths(self, stage: str) -> tuple[Path, Path]:
         assert self.root is not None
@@ -105,7 +109,7 @@ class _Checkpoints:
         if not (t_path.is_file() and j_path.is_file()):
             return None
         meta = json.loads(j_path.read_text())
-        if meta.get("key") != self.key:
+        if meta.get("key") != self.key(stage):
             return None
         from safetensors.torch import load_file
 
@@ -120,13 +124,12 @@ class _Checkpoints:
         tmp = t_path.with_suffix(".tmp")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         os.replace(tmp, t_path)
-        j_path.write_text(json.dumps({"key": self.key, **meta}))
+        j_path.write_text(json.dumps({"key": self.key(stage), **meta}))
 
 
-def _run_key(requests: Sequence[EditRequest], cfg: BuildConfig, fingerprint: str, layer: int) -> str:
+def _run_key(requests: Sequence[EditRequest], fingerprint: str, layer: int) -> str:
     h = hashlib.sha256()
     h.update(json.dumps([r.to_dict() for r in requests], sort_keys=True, ensure_ascii=False).encode())
-    h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
     h.update(f"{fingerprint}:{layer}".encode())
     return h.hexdigest()[:16]
 
@@ -206,7 +209,7 @@ def build_operator(
     site = locate_down_proj(model, layer)
     fingerprint = weight_fingerprint(site.weight())
     out = Path(out_dir) if out_dir else None
-    ckpt = _Checkpoints(out / "checkpoints" if out else None, _run_key(requests, cfg, fingerprint, layer))
+    ckpt = _Checkpoints(out / "checkpoints" if out else None, _run_key(requests, fingerprint, layer), cfg)
     report = BuildReport()
     slots = _slots(requests)
     n = len(slots)

@@ -1,0 +1,207 @@
+"""The build pipeline: stages on synthetic data and tiny models, resume, bad input, and a real build."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from aloe_build import addresses as addr
+from aloe_build.config import BuildConfig
+from aloe_build.data import EditRequest, save_edits_jsonl
+from aloe_build.encoder import CorpusStates, train_encoder
+from aloe_build.pipeline import BuildError, build_operator
+from aloe_build.writes import gates_of, ridge_writes
+from aloe_kernels import AloeOperator, PatchError, aloe_gates
+from tiny_models import tiny_model, tiny_tokenizer
+
+
+def _unit(x):
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def _synthetic(n=6, d=24, anchors_per=3, negs=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = _unit(torch.randn(n, d, generator=g))
+    anchors = _unit(centers.repeat_interleave(anchors_per, 0) + 0.15 * torch.randn(n * anchors_per, d, generator=g))
+    owner = torch.arange(n).repeat_interleave(anchors_per)
+    pool = _unit(torch.randn(negs, d, generator=g))
+    neg = addr.NegativeSet(
+        shared=torch.cat([pool, anchors]),
+        shared_owner=torch.cat([torch.full((negs,), -1), owner]),
+        specific=_unit(centers + 0.9 * torch.randn(n, d, generator=g)),
+        specific_owner=torch.arange(n),
+    )
+    V0 = 3.0 * _unit(centers + 0.8 * torch.randn(n, d, generator=g))  # a poor initial guess
+    return V0, anchors, owner, neg, torch.eye(n, dtype=torch.bool)
+
+
+def test_refinement_loss_falls_and_norms_kept():
+    V0, anchors, owner, neg, same = _synthetic()
+    cfg = BuildConfig(refine_steps=300, refine_remine_every=50, refine_hard_negatives=8)
+    V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
+    assert losses[-1] < 0.5 * losses[0]
+    torch.testing.assert_close(V.norm(dim=1), V0.norm(dim=1), rtol=1e-4, atol=1e-5)
+
+
+def test_calibration_separable_slot_properties():
+    V0, anchors, owner, neg, same = _synthetic()
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
+    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    assert cal.separable.all()
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
+    g_anchor = gates_of(anchors, op)[torch.arange(len(owner)), owner]
+    worst_pos = torch.full((6,), math.inf).scatter_reduce(0, owner, g_anchor, reduce="amin")
+    torch.testing.assert_close(worst_pos, torch.full((6,), 0.9), rtol=0, atol=1e-4)
+    # the worst negative of every slot (shared pool, other slots' anchors, own specific) gives exactly 0
+    for i in range(6):
+        negatives = torch.cat([neg.shared[neg.shared_owner != i], neg.specific[neg.specific_owner == i]])
+        assert gates_of(negatives, op)[:, i].max() == 0.0
+
+
+def test_calibration_inseparable_slot_is_finite_and_balanced():
+    V0, anchors, owner, neg, same = _synthetic(n=2)
+    # make slot 0 inseparable: one of its specific negatives equals an anchor
+    neg.specific[0] = anchors[0]
+    cal = addr.calibrate(V0, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_steps=50))
+    assert not bool(cal.separable[0])
+    assert torch.isfinite(cal.thresholds).all() and (cal.temperatures > 0).all()
+    assert cal.temperatures[0] >= BuildConfig().inseparable_temperature / V0[0].norm() - 1e-6
+
+
+def test_ridge_recovers_targets_without_overlap():
+    V0, anchors, owner, neg, same = _synthetic()
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=300, refine_hard_negatives=8))
+    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 5))
+    deltas = torch.randn(6, 5)
+    U = ridge_writes(deltas, anchors, owner, neg.shared[:200], op, BuildConfig(ridge_mu=1e-8))
+    torch.testing.assert_close(U, deltas, rtol=1e-3, atol=1e-3)
+
+
+def test_encoder_training_separates_paraphrases():
+    g = torch.Generator().manual_seed(0)
+    N, d = 64, 32
+    base = _unit(torch.randn(N, d, generator=g))
+    cs = CorpusStates(
+        request=_unit(base + 0.1 * torch.randn(N, d, generator=g)),
+        paraphrase=_unit(base + 0.3 * torch.randn(N, d, generator=g)),
+        locality=_unit(torch.randn(N, d, generator=g)),
+        same_subject=_unit(base[:, None] + 1.0 * torch.randn(N, 2, d, generator=g)),
+    )
+    cfg = BuildConfig(encoder_dim=16, encoder_steps=200, encoder_batch=16, encoder_lr=1e-2)
+    enc = train_encoder(cs, [str(i % 8) for i in range(N)], list(range(N)), cfg)
+    s = enc.scores(cs.paraphrase, cs.request)
+    acc = (s.argmax(1) == torch.arange(N)).double().mean()
+    assert acc > 0.9
+
+
+# ---------------------------------------------------------------- tiny model, whole pipeline
+
+_SUBJECTS = ["Paris", "France", "Italy", "Rome", "Toko", "John", "Lennon", "UniFirst", "Yasuda", "Eiffel"]
+_TEMPLATES = ["The capital of {} is", "{} plays the", "What is the product made by {} ?", "{} is located in the city of"]
+_WORDS = ["Paris", "Rome", "guitar", "piano", "uniform", "France", "Italy"]
+
+
+def _tiny_corpus(path):
+    records = []
+    for i, s in enumerate(_SUBJECTS):
+        for j, t in enumerate(_TEMPLATES):
+            records.append(EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
+                                       rephrases=(_TEMPLATES[(j + 1) % 4].replace("{}", s),),
+                                       locality=(_TEMPLATES[j].replace("{}", _SUBJECTS[(i + 3) % 10]),),
+                                       id=f"c{i}-{j}"))
+    save_edits_jsonl(records, path)
+    return path
+
+
+def _tiny_cfg(tmp_path, **kw):
+    base = dict(layer=1, encoder_corpus=str(_tiny_corpus(tmp_path / "corpus.jsonl")), encoder_records=40,
+                encoder_dim=8, encoder_steps=20, encoder_batch=8, encoder_cache=str(tmp_path / "enc"),
+                negative_pool_records=10, refine_steps=30, refine_remine_every=10, target_steps=5, target_batch=4,
+                finetune_steps=3, finetune_batch=2, calibration_steps=10, compute_dtype="float32")
+    base.update(kw)
+    return BuildConfig(**base)
+
+
+def _edits():
+    return [
+        EditRequest(prompt="The Eiffel Tower is located in the city of", target_new="Rome", subject="Eiffel Tower", id="a"),
+        EditRequest(prompt="The capital of France is", target_new="Rome", subject="France", id="b"),
+        EditRequest(prompt="Toko Yasuda plays the", target_new="piano", subject="Toko Yasuda", id="c"),
+        EditRequest(prompt="Toko Yasuda plays the", target_new="piano", subject="Toko Yasuda", id="c-dup"),
+    ]
+
+
+def test_tiny_pipeline_shapes_report_and_determinism(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    op = build_operator(model, tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run", log=None)
+    assert op.n == 3 and op.d == 48 and op.d_out == 32 and op.layer == 1  # the duplicate shares a slot
+    assert op.edits[2]["ids"] == ["c", "c-dup"]
+    report = json.loads((tmp_path / "run" / "build_report.json").read_text())
+    assert {"1_encoder", "2_init", "3_rollouts", "4_refine", "5_calibrate", "6_targets", "7_ridge", "8_finetune"} <= set(
+        report["stages"])
+    again = build_operator(tiny_model("llama"), tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run2", log=None)
+    assert again.fingerprint() == op.fingerprint()
+
+
+def test_resume_after_interruption(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path)
+    import aloe_build.pipeline as pipeline
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "finetune_writes", boom)
+    with pytest.raises(KeyboardInterrupt):
+        build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "run", log=None)
+    monkeypatch.undo()
+    seen = []
+    op = build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "run", log=seen.append)
+    assert sum("resumed from checkpoint" in m for m in seen) == 6  # stages 2-7
+    fresh = build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "fresh", log=None)
+    assert op.fingerprint() == fresh.fingerprint()
+    # a later-stage change keeps the earlier checkpoints
+    seen.clear()
+    build_operator(model, tok, _edits(), _tiny_cfg(tmp_path, finetune_steps=1), out_dir=tmp_path / "run", log=seen.append)
+    assert sum("resumed from checkpoint" in m for m in seen) == 6
+
+
+def test_bad_input(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path)
+    with pytest.raises(BuildError, match="no edit requests"):
+        build_operator(model, tok, [], cfg, log=None)
+    with pytest.raises(PatchError, match="out of range"):
+        build_operator(model, tok, _edits(), _tiny_cfg(tmp_path, layer=9), log=None)
+    long = EditRequest(prompt=" ".join(["the"] * 80), target_new="Rome", subject="x", id="z")
+    with pytest.raises(BuildError, match="over the model context"):
+        build_operator(model, tok, [long], cfg, log=None)
+    with pytest.raises(PatchError, match="no decoder layer"):
+        build_operator(torch.nn.Linear(2, 2), tok, _edits(), cfg, log=None)
+    import aloe_build.addresses as A
+
+    def nan_refine(V0, *a, **k):
+        raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
+
+    monkeypatch.setattr(A, "refine_addresses", nan_refine)
+    with pytest.raises(BuildError, match="stage 4.*checkpoints of earlier stages are kept"):
+        build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "nan", log=None)
+    assert (tmp_path / "nan" / "checkpoints" / "3_rollouts.safetensors").is_file()
+
+
+def test_gates_open_on_own_requests_tiny(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    op = build_operator(model, tok, _edits()[:3], _tiny_cfg(tmp_path, refine_steps=200), out_dir=tmp_path / "r", log=None)
+    from safetensors.torch import load_file
+
+    from aloe_build.states import last_token_states
+
+    separable = load_file(str(tmp_path / "r" / "checkpoints" / "5_calibrate.safetensors"))["separable"].bool()
+    assert separable.any()
+    h = last_token_states(model, tok, [e.prompt for e in _edits()[:3]], 1)
+    own = aloe_gates(h, op).diagonal()
+    # a separable slot opens at >= 0.9 on its request (its worst anchor gets exactly 0.9);
+    # an inseparable one sits at a finite-temperature midpoint, still open
+    assert (own[separable] >= 0.9 - 1e-4).all() and (own > 0).all()
