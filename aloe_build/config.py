@@ -18,7 +18,7 @@ class BuildConfig:
     layer: int | None = None  # edited decoder layer; None = the model family's default
     seed: int = 0
     batch_size: int = 32  # prompts per forward pass when collecting states
-    compute_dtype: str = "bfloat16"  # the write stages (6, 8) run under autocast in this dtype; "float32" turns it off
+    compute_dtype: str = "float32"  # "bfloat16" runs the write stages (6, 8) under autocast
 
     # (1) address encoder, trained on a construction corpus disjoint from the edited stream
     encoder_corpus: str | None = None  # path of a CounterFact-style file; None = ../shared/data train split if present

@@ -20,7 +20,7 @@ def random_operator(n: int, d: int, d_out: int, dtype=torch.float32, seed: int =
     )
 
 
-def operator_opening_on(h: torch.Tensor, n_extra: int, d_out: int, seed: int = 0) -> AloeOperator:
+def operator_opening_on(h: torch.Tensor, n_extra: int, d_out: int, seed: int = 0, dtype=torch.float32) -> AloeOperator:
     """An operator whose first h.shape[0] edits open exactly on the rows of h
     (address = the row's direction) and whose n_extra others stay closed."""
     rows = torch.nn.functional.normalize(h.reshape(-1, h.shape[-1]).double(), dim=1)
@@ -35,4 +35,4 @@ def operator_opening_on(h: torch.Tensor, n_extra: int, d_out: int, seed: int = 0
         thresholds=thresholds,
         temperatures=torch.full((n,), 30.0, dtype=torch.float64),
         writes=torch.randn(n, d_out, generator=g, dtype=torch.float64),
-    )
+    ).to(dtype=dtype)

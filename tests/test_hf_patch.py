@@ -78,7 +78,7 @@ def test_open_gates_equal_independent_residual(family, residual_path):
     g = torch.clamp_min(sig - op.gate_eps, 0) / (1 - op.gate_eps)
     assert (g.reshape(-1, op.n)[:3, :3].diagonal() > 0.5).all() and (g[..., 3:] == 0).all()
     expected = wh.double() + g @ op.writes.double()
-    torch.testing.assert_close(out["y"].double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["y"].double(), expected, rtol=1e-4, atol=1e-4)
     remove_aloe(model)
     with torch.no_grad():
         assert not torch.allclose(model(**batch).logits, logits)
