@@ -156,6 +156,10 @@ def calibrate(
         tau_b, alpha_b = _fit_inseparable(
             V[bad], anchors, anchor_owner, bad, hard_h[bad], tau[bad], alpha[bad], cfg
         )
+        # Locality first: whatever the fit, the dead zone must still cover every negative but
+        # the mined hardest ones, or a slot whose anchors sit among generic states would open
+        # on everything.
+        tau_b = torch.maximum(tau_b, hard_s[bad, -1] - _logit(gate_eps) / alpha_b)
         tau[bad], alpha[bad] = tau_b, alpha_b
     return Calibration(tau, alpha, separable, s_pos, s_neg)
 

@@ -97,8 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_build)
 
     from .demo import add_demo_cli
+    from .evaluate import add_eval_cli
+    from .export_vllm import add_cli as add_vllm_cli
 
     add_demo_cli(sub)
+    add_eval_cli(sub)
+    add_vllm_cli(sub)
 
     p = sub.add_parser("bench", help="gate-throughput microbenchmark (arguments go to benchmarks/bench_gate.py)")
     p.add_argument("rest", nargs=argparse.REMAINDER)

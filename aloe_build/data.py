@@ -194,39 +194,34 @@ def _str_tuple(value: Any, name: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class LocalityPrompt:
-    """A prompt whose answer the edit must leave unchanged.
-
-    Attributes:
-        prompt: the full prompt text.
-        ground_truth: accepted answers (flattened, unique), or ``None`` when the
-            dataset gives none (then compare against the unedited model).
-        kind: where it came from: ``"neighborhood"``, ``"attribute"``,
-            ``"relation_specificity"``, ``"forgetfulness"``, ``"nq"``, ...
-    """
+class _PromptWithAnswers:
+    """A prompt with optional accepted answers and the kind of probe it is (shared by
+    :class:`LocalityPrompt` and :class:`PortabilityPrompt`)."""
 
     prompt: str
     ground_truth: tuple[str, ...] | None = None
-    kind: str = "neighborhood"
+    kind: str = ""
+    _entry = "prompt"  # how error messages name an entry
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str) or not self.prompt.strip():
-            raise ValueError(f"LocalityPrompt.prompt must be a non-empty string, got {self.prompt!r}")
+            raise ValueError(f"{type(self).__name__}.prompt must be a non-empty string, got {self.prompt!r}")
         object.__setattr__(self, "prompt", self.prompt.strip())
         object.__setattr__(self, "ground_truth", normalize_answers(self.ground_truth))
 
     @classmethod
-    def from_obj(cls, obj: Any, default_kind: str = "neighborhood") -> LocalityPrompt:
-        """Build from a ``LocalityPrompt``, a bare prompt string, or ``{prompt, ground_truth, kind}``."""
+    def from_obj(cls, obj: Any, default_kind: str | None = None):
+        """Build from an instance, a bare prompt string, or ``{prompt, ground_truth, kind}``."""
+        kind = default_kind or cls.__dataclass_fields__["kind"].default
         if isinstance(obj, cls):
             return obj
         if isinstance(obj, str):
-            return cls(obj, None, default_kind)
+            return cls(obj, None, kind)
         if isinstance(obj, Mapping):
             if "prompt" not in obj:
-                raise ValueError(f"a locality entry needs a 'prompt', got fields {sorted(obj)}")
-            return cls(obj["prompt"], obj.get("ground_truth"), obj.get("kind") or default_kind)
-        raise TypeError(f"a locality entry must be a string or an object, got {type(obj).__name__}")
+                raise ValueError(f"a {cls._entry} entry needs a 'prompt', got fields {sorted(obj)}")
+            return cls(obj["prompt"], obj.get("ground_truth"), obj.get("kind") or kind)
+        raise TypeError(f"a {cls._entry} entry must be a string or an object, got {type(obj).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready ``{prompt, ground_truth, kind}``."""
@@ -238,7 +233,23 @@ class LocalityPrompt:
 
 
 @dataclass(frozen=True)
-class PortabilityPrompt:
+class LocalityPrompt(_PromptWithAnswers):
+    """A prompt whose answer the edit must leave unchanged.
+
+    Attributes:
+        prompt: the full prompt text.
+        ground_truth: accepted answers (flattened, unique), or ``None`` when the
+            dataset gives none (then compare against the unedited model).
+        kind: where it came from: ``"neighborhood"``, ``"attribute"``,
+            ``"relation_specificity"``, ``"forgetfulness"``, ``"nq"``, ...
+    """
+
+    kind: str = "neighborhood"
+    _entry = "locality"
+
+
+@dataclass(frozen=True)
+class PortabilityPrompt(_PromptWithAnswers):
     """A prompt whose answer should follow from the edit (multi-hop, alias, inverse relation).
 
     Attributes:
@@ -247,36 +258,8 @@ class PortabilityPrompt:
         kind: ``"reasoning"``, ``"subject_aliasing"``, ``"logical_generalization"``, ...
     """
 
-    prompt: str
-    ground_truth: tuple[str, ...] | None = None
     kind: str = "portability"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.prompt, str) or not self.prompt.strip():
-            raise ValueError(f"PortabilityPrompt.prompt must be a non-empty string, got {self.prompt!r}")
-        object.__setattr__(self, "prompt", self.prompt.strip())
-        object.__setattr__(self, "ground_truth", normalize_answers(self.ground_truth))
-
-    @classmethod
-    def from_obj(cls, obj: Any, default_kind: str = "portability") -> PortabilityPrompt:
-        """Build from a ``PortabilityPrompt``, a bare string, or ``{prompt, ground_truth, kind}``."""
-        if isinstance(obj, cls):
-            return obj
-        if isinstance(obj, str):
-            return cls(obj, None, default_kind)
-        if isinstance(obj, Mapping):
-            if "prompt" not in obj:
-                raise ValueError(f"a portability entry needs a 'prompt', got fields {sorted(obj)}")
-            return cls(obj["prompt"], obj.get("ground_truth"), obj.get("kind") or default_kind)
-        raise TypeError(f"a portability entry must be a string or an object, got {type(obj).__name__}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready ``{prompt, ground_truth, kind}``."""
-        return {
-            "prompt": self.prompt,
-            "ground_truth": list(self.ground_truth) if self.ground_truth is not None else None,
-            "kind": self.kind,
-        }
+    _entry = "portability"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ from typing import Sequence
 import torch
 
 DEMO_EDITS = Path(__file__).resolve().parents[1] / "examples" / "demo_edits.jsonl"
+# A lighter encoder than the default so that the first run (which trains and caches the
+# encoder for the model's layer) takes minutes on two CPU cores.
+DEMO_CONFIG_FIELDS = dict(encoder_records=1500, encoder_steps=600, refine_steps=1000, finetune_steps=50)
 
 
 def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 6, batch_size: int = 16) -> list[str]:
@@ -38,6 +41,8 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
 
     from .config import BuildConfig
     from .data import load_edits
+
+    config = BuildConfig(**DEMO_CONFIG_FIELDS)
     from .models import load_model
     from .pipeline import build_operator
 
@@ -49,7 +54,7 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
     controls = [r.locality[0].prompt for r in requests if r.locality]
     before = [greedy(model, tokenizer, p) for p in (prompts, rephrases, controls)]
     print(f"building an operator for {len(requests)} edits into {out_dir} ...")
-    op = build_operator(model, tokenizer, requests, BuildConfig(), out_dir=out_dir)
+    op = build_operator(model, tokenizer, requests, config, out_dir=out_dir)
     op.save(out_dir)
     op = AloeOperator.load(out_dir)  # serve what was written, as a user would
     apply_aloe(model, op)

@@ -220,6 +220,9 @@ def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig)
     return h.hexdigest()[:16]
 
 
+DIAGNOSTIC_ITEMS = 200  # held-out items scored (each needs 15 extra same-subject prompts)
+
+
 def build_encoder(model, tokenizer, corpus: Corpus, layer: int, cfg: BuildConfig) -> tuple[AddressEncoder, dict]:
     """Collect corpus states, train on held-in predicates, report diagnostics on held-out ones,
     then return the encoder with its metrics (learned vs raw control)."""
@@ -229,6 +232,7 @@ def build_encoder(model, tokenizer, corpus: Corpus, layer: int, cfg: BuildConfig
     enc = train_encoder(cs, groups, train, cfg)
     rng = random.Random(cfg.seed + 1)
     dev16 = None
+    dev = dev[:DIAGNOSTIC_ITEMS]
     if dev:
         texts = []
         for i in dev:

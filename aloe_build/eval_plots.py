@@ -46,13 +46,17 @@ def plot_editor(editor: Mapping[str, Any], path: str | Path, title: str | None =
     series = [("requests (matched slot)", gates.get("request") or [], "tab:blue"),
               ("rephrases (matched slot)", gates.get("rephrase") or [], "tab:orange"),
               ("locality (max over slots)", gates.get("locality_max") or [], "tab:green")]
-    for label, vals, color in series:
-        if vals:
-            mean = float(np.mean(vals))
-            ax.hist(np.clip(vals, 0, 1), bins=bins, alpha=0.55, color=color,
-                    label=f"{label}: n={len(vals)}, mean={mean:.3f}", weights=np.full(len(vals), 1 / len(vals)))
+    present = [(label, vals, color) for label, vals, color in series if vals]
+    if present:
+        ax.hist([np.clip(v, 0, 1) for _, v, _ in present], bins=bins, histtype="bar",
+                color=[c for _, _, c in present],
+                weights=[np.full(len(v), 1 / len(v)) for _, v, _ in present],
+                label=[f"{lab}: n={len(v)}, mean={float(np.mean(v)):.3f}" for lab, v, _ in present])
+        ax.set_yscale("log")
+        smallest = min(1 / len(v) for _, v, _ in present)
+        ax.set_ylim(smallest / 2, 1.5)
     ax.set_xlabel("gate")
-    ax.set_ylabel("share of queries")
+    ax.set_ylabel("share of queries (log)")
     ax.set_title("(a) gate distributions")
     ax.legend(fontsize=7, loc="upper center")
 

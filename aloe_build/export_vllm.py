@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from aloe_kernels.errors import ArtifactError
+from aloe_kernels.errors import AloeError, ArtifactError
 from aloe_kernels.operator import AloeOperator, weight_fingerprint
 from aloe_vllm.format import (
     ARCHITECTURES,
@@ -51,7 +51,12 @@ from aloe_vllm.format import (
     tensor_names,
 )
 
-__all__ = ["add_cli", "export_vllm", "resolve_base", "serve_command"]
+__all__ = ["ExportExistsError", "add_cli", "export_vllm", "resolve_base", "serve_command"]
+
+
+class ExportExistsError(AloeError, FileExistsError):
+    """The output directory exists (and may not be replaced)."""
+
 
 _OWN_FILES = {"config.json", SAFE_INDEX, TENSORS_FILE, EDITS_FILE}
 
@@ -229,7 +234,7 @@ def export_vllm(
         elif overwrite and out.is_dir() and _is_export(out):
             pass
         else:
-            raise FileExistsError(
+            raise ExportExistsError(
                 f"{out} exists" + (" (pass overwrite=True / --overwrite to replace an export)" if _is_export(out)
                                    else " and is not an ALOE export; refusing to touch it")
             )

@@ -39,7 +39,10 @@ where that transfers, and says where it does not:
   before the key token is computed once and reused from a KV cache (it
   cannot depend on the value), and a batch stops early once every target
   token is predicted and every sequence's mean NLL is below
-  ``early_stop_nll`` (0.05).
+  ``early_stop_nll`` (0.05): per edit, an entry is frozen at the step where
+  all its edits first meet that (Adam keeps moving a converged value by about
+  ``lr`` per coordinate and step, which at ``lr = 1.0`` undoes the fit), and
+  the batch stops when every entry is frozen or after ``n_iter`` steps.
 """
 
 from __future__ import annotations
@@ -372,23 +375,36 @@ def _train_batch(model, wrapper: GraceDownProj, enc, slots, cfg: GraceConfig, pa
     valid = labels != -100
     it = 0
     nll_rows = torch.zeros(B)
+    frozen = torch.zeros(len(uniq), dtype=torch.bool, device=device)  # entries whose edits are all fitted
+    snapshot = param.detach().clone()
     try:
         for it in range(1, cfg.n_iter + 1):
             wrapper.values = all_values.index_copy(0, uniq, param)
-            wrapper.force = (inv, key_pos)
+            wrapper.force = (slot_t, key_pos)  # global entry indices
             past = copy.deepcopy(cache) if cache is not None else None
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
                         use_cache=past is not None)
             logp = torch.log_softmax(out.logits.float(), dim=-1)
             tok_nll = -logp.gather(-1, labels.clamp_min(0)[..., None])[..., 0] * valid
-            nll_rows = (tok_nll.sum(1) / valid.sum(1).clamp_min(1)).detach().cpu()
-            right = bool(((logp.argmax(-1) == labels) | ~valid).all())
-            if right and float(nll_rows.max()) < cfg.early_stop_nll:
+            nll = tok_nll.sum(1) / valid.sum(1).clamp_min(1)
+            nll_rows = nll.detach().cpu()
+            # early stop per edit: every target token predicted and mean NLL below the threshold; an
+            # entry is frozen (its value kept as it is now) once all the edits sharing it are done
+            done_row = ((logp.argmax(-1) == labels) | ~valid).all(1) & (nll.detach() < cfg.early_stop_nll)
+            pending = torch.zeros(len(uniq), dtype=torch.long, device=device).index_add_(
+                0, inv, (~done_row).long())
+            newly = (pending == 0) & ~frozen
+            if bool(newly.any()):
+                snapshot[newly] = param.detach()[newly]
+                frozen |= newly
+            if bool(frozen.all()):
                 break
-            loss = tok_nll.sum() / valid.sum()
+            loss = (tok_nll.sum(1) / valid.sum(1).clamp_min(1))[~done_row].sum() / B
             opt.zero_grad()
             loss.backward()
             opt.step()
+            with torch.no_grad():
+                param[frozen] = snapshot[frozen]
     finally:
         wrapper.force = None
         wrapper.values = all_values.index_copy(0, uniq, param.detach())

@@ -58,6 +58,13 @@ def _forward_logits(model, seqs, pid, keep: int):
     return model.get_output_embeddings()(hidden[:, -keep:].contiguous())
 
 
+def _batch_nll(model, batch, lens, pid, cfg: BuildConfig) -> torch.Tensor:
+    """Per-sequence target NLL of a batch of prompt + target sequences."""
+    with _autocast(model, cfg):
+        logits = _forward_logits(model, batch, pid, max(lens) + 1)
+    return target_nll(logits, batch, lens)
+
+
 def write_targets(
     model,
     tokenizer,
@@ -96,9 +103,7 @@ def write_targets(
             opt = torch.optim.Adam([delta], lr=cfg.target_lr)
             current.update(rows=rows.to(device), delta=delta)
             for _ in range(cfg.target_steps):
-                with _autocast(model, cfg):
-                    logits = _forward_logits(model, batch, pid, max(lens) + 1)
-                nll = target_nll(logits, batch, lens)
+                nll = _batch_nll(model, batch, lens, pid, cfg)
                 loss = nll.sum() + 1e-3 * (delta**2).sum()
                 if not torch.isfinite(loss):
                     raise FloatingPointError("stage 6 (write targets): loss became NaN/Inf")
@@ -178,9 +183,7 @@ def finetune_writes(
             pos += len(rows)
             batch = [seqs[i] for i in rows]
             lens = [target_lens[i] for i in rows]
-            with _autocast(model, cfg):
-                logits = _forward_logits(model, batch, pid, max(lens) + 1)
-            loss = target_nll(logits, batch, lens).mean()
+            loss = _batch_nll(model, batch, lens, pid, cfg).mean()
             if not torch.isfinite(loss):
                 raise FloatingPointError("stage 8 (write fine-tuning): loss became NaN/Inf")
             opt.zero_grad()
