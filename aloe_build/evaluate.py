@@ -61,8 +61,9 @@ Mechanism diagnostics (editors with slots: ALOE gates, GRACE codebook hits)
 
     * matched gate: the gate of the edit's own slot at the last prompt token
       of the request (or rephrase). The own slot is the operator row whose
-      metadata ``id`` equals the request's id (else the row with the same
-      request text and target).
+      metadata ``id`` (or one of its ``ids``, for a slot shared by identical
+      edits) equals the request's id, else the row with the same request
+      text and target.
     * the matched slot *dominates* when its gate is > 0 and is the largest of
       all slots at that position.
     * locality max gate: the largest gate over all slots and over every
@@ -216,7 +217,11 @@ class AloeEditor(Editor):
         self.layer = op.layer if layer is None else layer
         if self.layer is None:
             raise ValueError("the operator records no layer; pass layer=")
-        self._by_id = {str(e.get("id")): i for i, e in enumerate(op.edits)}
+        self._by_id: dict[str, int] = {}
+        for i, e in enumerate(op.edits):  # a slot shared by identical edits lists them all under "ids"
+            for rid in [e.get("id"), *(e.get("ids") or [])]:
+                if rid is not None:
+                    self._by_id.setdefault(str(rid), i)
         self._by_text: dict[tuple[str, str], int] = {}
         for i, e in enumerate(op.edits):
             key = (str(e.get("request") or "").strip(), str(e.get("target") or "").strip())
