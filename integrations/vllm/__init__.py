@@ -1,5 +1,15 @@
 """ALOE plugin for vLLM (import name ``aloe_vllm``), registered through the
-``vllm.general_plugins`` entry point."""
+``vllm.general_plugins`` entry point.
+
+``register()`` adds the edited architectures (``AloeLlamaForCausalLM``,
+``AloeMistralForCausalLM``, ``AloeQwen2ForCausalLM``, ``AloeQwen3ForCausalLM``)
+to vLLM's model registry. vLLM calls it once per process (API server, engine
+core, every worker); calling it again is a no-op.
+"""
+
+from .format import ARCHITECTURES, AloeSpec, AloeSpecError
+
+__all__ = ["ARCHITECTURES", "AloeSpec", "AloeSpecError", "register"]
 
 
 def register() -> None:

