@@ -101,7 +101,7 @@ def refine_addresses(
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
         losses.append(float(loss.detach()))
-        if float(loss) == 0.0 and step % cfg.refine_remine_every != 0:
+        if losses[-1] == 0.0 and step % cfg.refine_remine_every != 0:
             # every slot clears its margin against the mined negatives: re-mine to confirm
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
             if float(F.relu(margin - pos + torch.einsum("nkd,nd->nk", hard_h, V).max(1).values).max()) == 0.0:

@@ -151,7 +151,7 @@ def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: Buil
         opt.zero_grad()
         loss.backward()
         opt.step()
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
     return AddressEncoder(Q.detach(), K.detach(), log_c.detach())
 
 

@@ -189,7 +189,7 @@ def finetune_writes(
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
         return writes.detach().float().cpu().clone(), losses
     finally:
