@@ -247,7 +247,9 @@ def main(argv=None) -> int:
                      "mode": "eager" if args.eager else "compiled (vLLM default on CPU)",
                      "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
                      "open_fraction": args.open_fraction,
-                     "omp_bind": args.omp_bind or "auto"},
+                     "omp_bind": args.omp_bind or "auto",
+                     "cpu_path": "ALOE_VLLM_SCREEN=" + os.environ.get("ALOE_VLLM_SCREEN", "auto")
+                                 + " (auto: screened bf16 + exact fp32 recheck for n >= 256 on AMX/AVX512-BF16 CPUs)"},
         "wall_s": round(time.time() - t_start, 1),
         "rows": rows, "samples": samples, "aloe_time_share": shares, "init_s": inits,
         "open_stats": {name: stats for name, _, _, stats in configs if stats},

@@ -9,6 +9,7 @@ the transformers model patched with ``apply_aloe`` in this process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -111,6 +112,42 @@ def test_tp_split_math_matches_reference(tp):
     torch.testing.assert_close(y1, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_screened_cpu_path_is_exact(dtype):
+    """The bf16 screen never drops an edit that opens: same result as the fp32 reference."""
+    from aloe_vllm.ops import screen_limit, screened_residual_torch_
+
+    g = torch.Generator().manual_seed(1)
+    d, d_out, n, T = 256, 24, 400, 96
+    h = torch.randn(T, d, generator=g).relu()
+    op = random_operator(n, d, d_out)
+    # Half the edits sit on token directions with floors within +-0.01 of the exact score:
+    # the hardest case for a screen (some open barely, some stay closed barely).
+    hn = torch.nn.functional.normalize(h, dim=1)
+    rows = torch.randint(0, T, (n // 2,), generator=g)
+    noisy = torch.nn.functional.normalize(hn[rows] + 0.3 * torch.randn(n // 2, d, generator=g) / d ** 0.5, dim=1)
+    op.addresses[: n // 2] = noisy
+    exact = (hn[rows] * noisy).sum(1)
+    floor_shift = math.log(op.gate_eps / (1 - op.gate_eps)) / op.temperatures[: n // 2]
+    op.thresholds[: n // 2] = exact + (torch.rand(n // 2, generator=g) - 0.5) * 0.02 - floor_shift
+    hx = h.to(dtype)
+    want = aloe_reference(hx.float(), op)
+    opened = (want.abs().sum(1) > 0).sum()
+    assert opened > 5
+    y = torch.zeros(T, d_out, dtype=dtype)
+    a_lo = op.addresses.to(torch.bfloat16)
+    lim = screen_limit(op.thresholds, op.temperatures, op.gate_eps)
+    screened_residual_torch_(y, hx, a_lo, lim, op.addresses, op.thresholds, op.temperatures, op.writes,
+                             op.eps, op.gate_eps)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
+    # and through the custom op
+    y2 = torch.zeros(T, d_out, dtype=dtype)
+    torch.ops.aloe_vllm.screened_residual_(y2, hx, a_lo, lim, op.addresses, op.thresholds, op.temperatures,
+                                           op.writes, op.eps, op.gate_eps)
+    torch.testing.assert_close(y2, y)
+
+
 def test_edit_shares_cover_disjointly():
     for n in (0, 1, 5, 7, 1301):
         for world in (1, 2, 3, 4):
@@ -151,13 +188,17 @@ def tiny(tmp_path_factory):
 def test_tiny_parity_eager_and_compiled(tiny, family, vllm_cache):
     t = tiny[family]
     assert t["hf_edit"] != t["hf_base"], "the test operator must change the outputs"
+    run = {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS}
     runs = [
-        {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": True},
-        {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": False},
+        {**run, "eager": True, "env": {"ALOE_VLLM_SCREEN": "0"}},  # CPU sparse path (aloe_residual_)
+        # vLLM's default compiled mode on CPU (Dynamo + Inductor), screened CPU path
+        {**run, "eager": False, "env": {"ALOE_VLLM_SCREEN": "1"}},
+        {**run, "eager": True, "env": {"TRITON_INTERPRET": "1"}},  # the fused Triton kernel, interpreted
     ]
-    eager, compiled = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
+    eager, compiled, kernel = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
     assert eager == t["hf_edit"]
     assert compiled == t["hf_edit"]
+    assert kernel == t["hf_edit"]
     t["vllm_tp1"] = eager
 
 
@@ -166,12 +207,14 @@ def test_tp2_equals_tp1(tiny, vllm_cache):
     tp1 = t.get("vllm_tp1") or run_vllm_generate(
         [{"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS}], env=vllm_env(1, vllm_cache)
     )[0]
-    (tp2,) = run_vllm_generate(
-        [{"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": True}],
+    run = {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": True}
+    tp2_torch, tp2_kernel = run_vllm_generate(
+        [run, {**run, "env": {"TRITON_INTERPRET": "1"}}],  # PyTorch split, then the Triton split kernels
         tp=2, env=vllm_env(2, vllm_cache),
     )
-    assert tp2 == tp1
-    assert tp2 == t["hf_edit"]
+    assert tp2_torch == tp1
+    assert tp2_kernel == tp1
+    assert tp1 == t["hf_edit"]
 
 
 # --------------------------------------------------------------------------- export validation
@@ -294,8 +337,16 @@ def smol(tmp_path_factory):
     op.save(root / "op")
     prompts = reqs + rephrases + unrelated
     apply_aloe(model, op)
-    hf = greedy_hf(model, tok, prompts, SMOL_TOKENS)
-    remove_aloe(model)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # the CPU path: the interpreter is too slow for 360 SmolLM2 forwards
+    try:
+        hf = greedy_hf(model, tok, prompts, SMOL_TOKENS)
+    finally:
+        remove_aloe(model)
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     serve = export_vllm("smollm2", root / "op", root / "serve")
     target_first = [tok(" " + t, add_special_tokens=False).input_ids[0] for t in targets]
     return dict(root=root, serve=serve, prompts=prompts, hf=hf, tok=tok, target_first=target_first, op=op)
@@ -303,7 +354,8 @@ def smol(tmp_path_factory):
 
 def test_smollm2_parity_with_transformers(smol, vllm_cache):
     (got,) = run_vllm_generate(
-        [{"model": str(smol["serve"]), "prompts": smol["prompts"], "max_tokens": SMOL_TOKENS, "eager": True}],
+        [{"model": str(smol["serve"]), "prompts": smol["prompts"], "max_tokens": SMOL_TOKENS, "eager": True,
+          "env": {"ALOE_VLLM_SCREEN": "1"}}],  # the path large operators take on CPU (the server test: n=20, sparse)
         env=vllm_env(1, vllm_cache),
     )
     mismatches = [(smol["prompts"][i], smol["hf"][i], got[i]) for i in range(len(got)) if got[i] != smol["hf"][i]]

@@ -15,7 +15,10 @@ runs the layer's usual output all-reduce. With tensor parallelism:
   existing output all-reduce sums ``U g`` exactly once.
 
 With one rank this is a single pass through ``aloe_kernels.aloe_residual_``
-(``aloe_vllm::residual_``).
+(``aloe_vllm::residual_``: the fused Triton kernel on CUDA), or on CPU, for
+operators of a few hundred edits and more, the screened path
+(``aloe_vllm::screened_residual_``: a bf16 screen over all edits, exact fp32
+gates for the few that may open; same result, a fraction of the cost).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.nn import Parameter
 from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.linear import RowParallelLinear
 
-from . import ops  # noqa: F401  (registers the torch.ops.aloe_vllm custom ops)
+from . import ops  # (importing registers the torch.ops.aloe_vllm custom ops)
 from .format import AloeSpec, AloeSpecError, edit_share
 
 __all__ = ["AloeRowParallelLinear"]
@@ -77,6 +80,17 @@ class AloeRowParallelLinear(RowParallelLinear):
             param.weight_loader = self._make_aloe_loader(name)
             self.register_parameter(name, param)
         self.aloe_loaded: set[str] = set()
+        self.aloe_screen = False
+
+    def aloe_finalize(self) -> None:
+        """After loading: set up the screened CPU path if it applies (bf16 copies of the addresses)."""
+        self.aloe_screen = ops.screening_enabled(self.aloe_n, self.aloe_addresses.device, self.tp_size)
+        if self.aloe_screen:
+            self.register_buffer("aloe_addresses_lo", self.aloe_addresses.detach().to(torch.bfloat16),
+                                 persistent=False)
+            self.register_buffer("aloe_limit_lo", ops.screen_limit(self.aloe_thresholds.detach(),
+                                                                   self.aloe_temperatures.detach(),
+                                                                   self.aloe_gate_eps), persistent=False)
 
     # ---------------------------------------------------------------- loading
     def _make_aloe_loader(self, name: str):
@@ -114,6 +128,12 @@ class AloeRowParallelLinear(RowParallelLinear):
     # ---------------------------------------------------------------- forward
     def _add_aloe_(self, out: torch.Tensor, h: torch.Tensor) -> None:
         """Add this rank's part of ``U g(h)`` into the partial output, before the all-reduce."""
+        if self.aloe_screen:
+            torch.ops.aloe_vllm.screened_residual_(
+                out, h, self.aloe_addresses_lo, self.aloe_limit_lo, self.aloe_addresses, self.aloe_thresholds,
+                self.aloe_temperatures, self.aloe_writes, self.aloe_eps, self.aloe_gate_eps,
+            )
+            return
         if self.tp_size == 1:
             torch.ops.aloe_vllm.residual_(
                 out, h, self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures, self.aloe_writes,
@@ -152,4 +172,5 @@ class AloeRowParallelLinear(RowParallelLinear):
         return (
             super().extra_repr()
             + f", aloe_n={self.aloe_n}, aloe_share=[{self.aloe_lo}, {self.aloe_hi}), aloe_layer={self.aloe_spec.layer}"
+            + f", aloe_screen={self.aloe_screen}"
         )

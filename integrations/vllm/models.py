@@ -131,6 +131,7 @@ class _AloeMixin:
                 f"ALOE: the base weight {down_proj_prefix(self.aloe_spec.layer)}.weight was not in the checkpoint, "
                 "so the operator's weight fingerprint could not be checked"
             )
+        layer.aloe_finalize()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(self._aloe_watch(weights))

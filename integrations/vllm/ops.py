@@ -15,6 +15,14 @@ shapes), each dispatching to the fused Triton kernel of
   ``[edit_offset, edit_offset + n_share)`` with this rank's share of the edits
   and add that share's writes into ``y`` (the partial, pre-all-reduce output).
 
+- ``aloe_vllm::screened_residual_(y, h, A_lo, limit_lo, A, tau, alpha, U, eps, gate_eps)``:
+  the TP=1 CPU fast path (see :func:`screened_residual_torch_`): scores are
+  screened with a bf16 GEMM (AMX/AVX512-BF16) of the normalised h against a
+  bf16 copy of the addresses, and only the edits that may open are scored
+  again exactly in fp32. The result is the same as the fp32 sparse path (the
+  screening margin exceeds the worst-case bf16 error), at a fraction of the
+  cost of an fp32 T x n x d GEMM.
+
 The PyTorch phase B reads only the write rows of edits that open for some
 token (most tokens open none), like ``aloe_kernels.residual.sparse_residual_``.
 """
@@ -37,6 +45,9 @@ __all__ = [
     "partial_scores_torch",
     "profile_counters",
     "runtime_operator",
+    "screen_limit",
+    "screened_residual_torch_",
+    "screening_enabled",
 ]
 
 # Opt-in timing of the ALOE ops in this process (ALOE_VLLM_PROFILE=1), for benchmarks:
@@ -118,6 +129,80 @@ def apply_from_scores_torch_(
     return y
 
 
+# ----------------------------------------------------------------- screened CPU path (TP=1)
+
+#: Margin (in normalised-score units) by which the bf16 screen undercuts each
+#: edit's open floor. Worst case of |bf16 score - exact score| for unit
+#: addresses and |h/|h|| = 1: rounding h and the address to bf16 (2 * 2^-9, by
+#: Cauchy-Schwarz), fp32 accumulation over d <= 16k (< 1e-3), rounding the
+#: output and the limit to bf16 (2^-9 each, |limit| <= ~1.2): < 0.0095.
+SCREEN_MARGIN = 0.0125
+
+
+def screen_limit(thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float) -> torch.Tensor:
+    """Per-edit bf16 limit of the screen: open floor minus :data:`SCREEN_MARGIN`."""
+    return (_open_floor(thresholds.float(), temperatures.float(), gate_eps) - SCREEN_MARGIN).to(torch.bfloat16)
+
+
+def screened_residual_torch_(
+    y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, limit_lo: torch.Tensor,
+    addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
+    eps: float, gate_eps: float,
+) -> torch.Tensor:
+    """``y += U g(h)`` (in place): bf16 screen over all edits, exact fp32 gates for the few that may open.
+
+    An edit is kept when its bf16 score exceeds ``limit_lo`` for some token;
+    every edit whose exact score reaches its open floor is kept (see
+    :data:`SCREEN_MARGIN`), so the gates equal the fp32 path's.
+    """
+    d, d_out = addresses.shape[1], writes.shape[1]
+    h2 = h.reshape(-1, d)
+    if h2.shape[0] == 0 or addresses.shape[0] == 0:
+        return y
+    hf = h2.float()
+    hn = hf / torch.linalg.vector_norm(hf, dim=1, keepdim=True).clamp_min(eps)
+    best = (hn.to(torch.bfloat16) @ addresses_lo.T).amax(dim=0)  # (n,): one pass over the bf16 scores
+    idx = (best > limit_lo).nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return y
+    s = hn @ addresses.index_select(0, idx).float().T
+    g = gates_from_scores(s, thresholds.index_select(0, idx).float(), temperatures.index_select(0, idx).float(),
+                          gate_eps)
+    y.view(-1, d_out).add_((g @ writes.index_select(0, idx).float()).to(y.dtype))
+    return y
+
+
+def fast_bf16_cpu() -> bool:
+    """Whether this CPU has native bf16 dot products (AMX or AVX512-BF16) for the screen."""
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:  # pragma: no cover - probe unavailable
+            pass
+    return False
+
+
+def screening_enabled(n: int, device: torch.device, tp_size: int) -> bool:
+    """Whether the TP=1 layer takes the screened CPU path.
+
+    ``ALOE_VLLM_SCREEN``: ``auto`` (default: CPU, one rank, no Triton interpreter,
+    fast bf16, n >= ``ALOE_VLLM_SCREEN_MIN_N``, default 256), ``1`` (on CPU
+    whenever possible, for tests), ``0`` (never).
+    """
+    mode = os.environ.get("ALOE_VLLM_SCREEN", "auto").lower()
+    if mode in ("0", "off", "false") or device.type != "cpu" or tp_size != 1 or n == 0:
+        return False
+    from aloe_kernels.residual import triton_interpreting
+
+    if triton_interpreting():
+        return False  # the Triton kernel is what is being exercised then
+    if mode in ("1", "on", "true"):
+        return True
+    return fast_bf16_cpu() and n >= int(os.environ.get("ALOE_VLLM_SCREEN_MIN_N", "256"))
+
+
 # ----------------------------------------------------------------- kernel split (Triton)
 
 
@@ -149,6 +234,23 @@ def residual_(
 
 @residual_.register_fake
 def _residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_eps) -> None:
+    return None
+
+
+@torch.library.custom_op("aloe_vllm::screened_residual_", mutates_args=("y",))
+def screened_residual_(
+    y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, limit_lo: torch.Tensor,
+    addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
+    eps: float, gate_eps: float,
+) -> None:
+    """``y += U g(h)``: the screened CPU path (:func:`screened_residual_torch_`)."""
+    with _timed(h.numel() // h.shape[-1]):
+        screened_residual_torch_(y, h, addresses_lo, limit_lo, addresses, thresholds, temperatures, writes,
+                                 eps, gate_eps)
+
+
+@screened_residual_.register_fake
+def _screened_fake(y, h, addresses_lo, limit_lo, addresses, thresholds, temperatures, writes, eps, gate_eps) -> None:
     return None
 
 

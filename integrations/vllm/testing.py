@@ -262,6 +262,8 @@ def vllm_env(tp: int = 1, cache_root: str | None = None, **extra: str) -> dict[s
     """Environment for running vLLM on CPU in a child process (see :func:`run_vllm_generate`)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The CPU serving path (sparse PyTorch) unless a run asks for the Triton interpreter.
+    env["TRITON_INTERPRET"] = "0"
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     if tp == 1:
@@ -280,7 +282,8 @@ def run_vllm_generate(runs: list[dict], *, tp: int = 1, env: dict[str, str] | No
     """Greedy generation with ``vllm.LLM`` in a child process; one result list per run.
 
     Each run is ``{"model": dir, "prompts": [...], "max_tokens": n, "eager": bool}``, or has
-    ``"prompt_token_ids": [[...], ...]`` instead of ``"prompts"`` (then vLLM loads no tokenizer).
+    ``"prompt_token_ids": [[...], ...]`` instead of ``"prompts"`` (then vLLM loads no tokenizer),
+    and optionally ``"env": {...}`` applied before the run (e.g. ``TRITON_INTERPRET``).
     Runs execute one after another in the same child (each LLM is torn down
     before the next). Raises RuntimeError with the child's output tail on failure.
     """
@@ -313,6 +316,7 @@ def _child_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     results = []
     for run in spec["runs"]:
+        os.environ.update(run.get("env", {}))  # read at call time (TRITON_INTERPRET) or by spawned workers
         token_ids = run.get("prompt_token_ids")
         llm = LLM(model=run["model"], dtype=run.get("dtype", "float32"), enforce_eager=bool(run.get("eager", True)),
                   max_model_len=int(run.get("max_model_len", 256)), seed=0,
