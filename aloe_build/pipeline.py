@@ -26,9 +26,10 @@ from . import addresses as addr
 from .config import BuildConfig
 from .corpus import Corpus, load_corpus
 from .data import EditRequest
+from .edited_forward import EditedForward
 from .encoder import AddressEncoder, build_encoder, cache_key
 from .states import collect_states, encode_prompt, encode_target, last_token_states, max_context
-from .writes import finetune_writes, gates_of, ridge_writes, write_targets
+from .writes import edited_forward, finetune_writes, gates_of, ridge_writes, write_targets
 
 
 class BuildError(RuntimeError):
@@ -320,9 +321,17 @@ def build_operator(
     target_lens = [min(len(t), cfg.max_target_tokens) for t in t_ids]
     tseqs = [p + t[: cfg.max_target_tokens] for p, t in zip(p_ids, t_ids)]
 
+    # one pass up to the edited layer, shared by stages 6 and 8 when both run
+    shared_forward: list[EditedForward] = []
+
+    def forward_of_writes() -> EditedForward:
+        if not shared_forward:
+            shared_forward.append(edited_forward(model, tokenizer, tseqs, target_lens, gated, cfg))
+        return shared_forward[0]
+
     # (6) write targets
     def targets() -> dict[str, torch.Tensor]:
-        deltas, nll = write_targets(model, tokenizer, tseqs, target_lens, gated, cfg)
+        deltas, nll = write_targets(forward_of_writes(), cfg)
         report.stages["6_targets"] = {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll)}
         return {"Y": deltas}
 
@@ -337,8 +346,7 @@ def build_operator(
 
     # (8) NLL fine-tuning
     def finetune() -> dict[str, torch.Tensor]:
-        op0 = AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"], writes=U0, **header)
-        U, losses = finetune_writes(model, tokenizer, tseqs, target_lens, op0, cfg)
+        U, losses = finetune_writes(forward_of_writes(), U0, cfg)
         report.stages["8_finetune"] = {"steps": len(losses), "nll_first": losses[0] if losses else None,
                                        "nll_last": losses[-1] if losses else None}
         return {"U": U}

@@ -14,96 +14,42 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
-from aloe_kernels.hf import locate_down_proj
+from aloe_kernels import AloeOperator
 from aloe_kernels.reference import gates_from_scores
 
 from .config import BuildConfig
-from .states import batch_inputs, model_device, normalize_rows, pad_id
+from .edited_forward import EditedForward
 
 
-def _autocast(model, cfg: BuildConfig):
-    if cfg.compute_dtype == "bfloat16":
-        return torch.autocast(model_device(model).type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
+                   op: AloeOperator, cfg: BuildConfig) -> EditedForward:
+    """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then)."""
+    dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else None
+    return EditedForward(model, tokenizer, seqs, target_lens, op, cfg.batch_size, dtype,
+                         desc="stages 6-8: gates and layer outputs")
 
 
-def target_nll(logits: torch.Tensor, seqs: Sequence[Sequence[int]], target_lens: Sequence[int]) -> torch.Tensor:
-    """Mean NLL per sequence of its last ``target_lens[b]`` tokens; ``logits`` holds the
-    last K positions of left-padded rows (K >= max target length + 1 not needed: K = max len)."""
-    K = logits.shape[1]
-    losses = []
-    for b, (seq, n) in enumerate(zip(seqs, target_lens)):
-        tgt = torch.tensor(seq[-n:], device=logits.device)
-        # logits at position p predict token p+1; the last n tokens are predicted by the n positions before them
-        pred = logits[b, K - n - 1: K - 1]
-        losses.append(F.cross_entropy(pred.float(), tgt))
-    return torch.stack(losses)
-
-
-def _forward_logits(model, seqs, pid, keep: int):
-    """Logits of the last ``keep`` positions only. The output projection is applied to a
-    contiguous slice of the final hidden states: slicing inside the model (logits_to_keep)
-    hands a strided tensor to the vocabulary GEMM, which runs an order of magnitude slower on CPU."""
-    inputs = batch_inputs(seqs, pid, model_device(model))
-    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
-    return model.get_output_embeddings()(hidden[:, -keep:].contiguous())
-
-
-def _batch_nll(model, batch, lens, pid, cfg: BuildConfig) -> torch.Tensor:
-    """Per-sequence target NLL of a batch of prompt + target sequences."""
-    with _autocast(model, cfg):
-        logits = _forward_logits(model, batch, pid, max(lens) + 1)
-    return target_nll(logits, batch, lens)
-
-
-def write_targets(
-    model,
-    tokenizer,
-    seqs: Sequence[Sequence[int]],
-    target_lens: Sequence[int],
-    op: AloeOperator,
-    cfg: BuildConfig,
-) -> tuple[torch.Tensor, list[float]]:
+def write_targets(fwd: EditedForward, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:
     """Stage 6: for slot i, delta_i (d_out) minimising the target NLL with out += g_i(h) delta_i."""
-    site = locate_down_proj(model, op.layer)
-    device = model_device(model)
-    pid = pad_id(tokenizer)
-    n = len(seqs)
-    deltas = torch.zeros(n, op.d_out)
-    final_losses: list[float] = []
-    V = op.addresses.to(device, torch.float32)
-    tau = op.thresholds.to(device, torch.float32)
-    alpha = op.temperatures.to(device, torch.float32)
-    current: dict = {}
-
-    def hook(module, args, out):
-        rows = current["rows"]
-        h = normalize_rows(args[0], op.eps)  # (B, T, d)
-        s = torch.einsum("btd,bd->bt", h, V[rows])
-        g = gates_from_scores(s, tau[rows, None], alpha[rows, None], op.gate_eps)
-        return out + (g[..., None] * current["delta"][:, None, :]).to(out.dtype)
-
-    handle = site.module.register_forward_hook(hook)
-    try:
-        bar = tqdm(range(0, n, cfg.target_batch), desc="stage 6: write targets", leave=False)
+    n = len(fwd.seqs)
+    deltas = torch.zeros(n, fwd.d_out)
+    final_losses = [0.0] * n
+    order = sorted(range(n), key=lambda i: len(fwd.seqs[i]))  # similar lengths share a batch: less padding
+    bar = tqdm(range(0, n, cfg.target_batch), desc="stage 6: write targets", leave=False)
+    with fwd.frozen():
         for start in bar:
-            rows = torch.arange(start, min(n, start + cfg.target_batch))
-            batch = [seqs[i] for i in rows]
-            lens = [target_lens[i] for i in rows]
-            delta = torch.zeros(len(rows), op.d_out, device=device, requires_grad=True)
+            rows = order[start: start + cfg.target_batch]
+            g = fwd.own_gates(rows)[..., None]  # (B, W, 1)
+            delta = torch.zeros(len(rows), fwd.d_out, device=fwd.device, requires_grad=True)
             opt = torch.optim.Adam([delta], lr=cfg.target_lr)
-            current.update(rows=rows.to(device), delta=delta)
             for _ in range(cfg.target_steps):
-                nll = _batch_nll(model, batch, lens, pid, cfg)
+                nll = fwd.nll(rows, g * delta[:, None, :])
                 loss = nll.sum() + 1e-3 * (delta**2).sum()
                 if not torch.isfinite(loss):
                     raise FloatingPointError("stage 6 (write targets): loss became NaN/Inf")
@@ -111,10 +57,9 @@ def write_targets(
                 loss.backward()
                 opt.step()
             deltas[rows] = delta.detach().float().cpu()
-            final_losses += nll.detach().float().cpu().tolist()
-            bar.set_postfix(nll=f"{float(nll.mean()):.3f}")
-    finally:
-        handle.remove()
+            for i, v in zip(rows, nll.detach().float().cpu().tolist()):
+                final_losses[i] = v
+            bar.set_postfix(nll=f"{float(nll.detach().mean()):.3f}")
     return deltas, final_losses
 
 
@@ -152,38 +97,27 @@ def ridge_writes(
     return writes.float()
 
 
-def finetune_writes(
-    model,
-    tokenizer,
-    seqs: Sequence[Sequence[int]],
-    target_lens: Sequence[int],
-    op: AloeOperator,
-    cfg: BuildConfig,
-) -> tuple[torch.Tensor, list[float]]:
+def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:
     """Stage 8: AdamW on U for target NLL over minibatches of edits, the whole operator in place."""
     if cfg.finetune_steps <= 0:
-        return op.writes.clone(), []
-    pid = pad_id(tokenizer)
-    wrapper = apply_aloe(model, op, check_fingerprint=False)
+        return writes.clone(), []
     rng = random.Random(cfg.seed)
     losses: list[float] = []
-    try:
-        writes = wrapper.writes
-        writes.requires_grad_(True)
-        opt = torch.optim.AdamW([writes], lr=cfg.finetune_lr, weight_decay=0.0)
-        order = list(range(len(seqs)))
-        rng.shuffle(order)
-        pos = 0
-        bar = tqdm(range(cfg.finetune_steps), desc="stage 8: write fine-tuning", leave=False)
+    U = writes.detach().to(fwd.device, torch.float32).clone().requires_grad_(True)
+    opt = torch.optim.AdamW([U], lr=cfg.finetune_lr, weight_decay=0.0)
+    order = list(range(len(fwd.seqs)))
+    rng.shuffle(order)
+    pos = 0
+    bar = tqdm(range(cfg.finetune_steps), desc="stage 8: write fine-tuning", leave=False)
+    with fwd.frozen():
         for _ in bar:
             if pos + cfg.finetune_batch > len(order):
                 rng.shuffle(order)
                 pos = 0
             rows = order[pos: pos + cfg.finetune_batch]
             pos += len(rows)
-            batch = [seqs[i] for i in rows]
-            lens = [target_lens[i] for i in rows]
-            loss = _batch_nll(model, batch, lens, pid, cfg).mean()
+            slots, G = fwd.all_gates(rows)  # every slot open anywhere in the batch, not only the batch's own
+            loss = fwd.nll(rows, G @ U[slots]).mean()
             if not torch.isfinite(loss):
                 raise FloatingPointError("stage 8 (write fine-tuning): loss became NaN/Inf")
             opt.zero_grad()
@@ -191,6 +125,4 @@ def finetune_writes(
             opt.step()
             losses.append(float(loss.detach()))
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
-        return writes.detach().float().cpu().clone(), losses
-    finally:
-        remove_aloe(model)
+    return U.detach().float().cpu().clone(), losses

@@ -11,10 +11,12 @@ The same base model is served three ways (same prompts, same run, greedy,
   (``--open-fraction`` of calibration tokens open some edit). The measured
   open statistics on held-out tokens are reported.
 
-All configurations are loaded at once (one ``vllm.LLM`` each, engines in their
-own processes as vLLM does by default, one warm-up generate each), then timed
-generates alternate between them round by round (order reversed every other
-round), so that machine noise hits all of them alike.
+All configurations are loaded at once (``--replicas`` ``vllm.LLM`` instances
+each, engines in their own processes as vLLM does by default, one warm-up
+generate each), then timed generates alternate between them round by round
+(order reversed every other round), so that machine noise hits all of them
+alike; several engine processes per configuration average out the few percent
+by which otherwise identical engine processes differ in speed.
 Output tokens/s is the total number of generated tokens divided by the wall
 time of ``LLM.generate``. Overhead = 1 - median(aloe) / median(base);
 paired overhead = 1 - median over rounds of aloe/base in the same round. The
@@ -99,20 +101,24 @@ def _measure(configs, prompts, args) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     engines, inits = {}, {}
-    for name, _, model_dir, _ in configs:
-        t0 = time.perf_counter()
-        engines[name] = LLM(model=str(model_dir), dtype=args.dtype, enforce_eager=args.eager, max_model_len=512,
-                            seed=0, max_num_seqs=max(len(prompts), 8))
-        inits[name] = time.perf_counter() - t0
-        engines[name].generate(prompts, params, use_tqdm=False)  # warm-up
-        print(f"{name}: ready in {inits[name]:.0f}s", flush=True)
-    samples = {name: [] for name in engines}
-    shares = {name: [] for name in engines}
+    for rep in range(args.replicas):  # several engine processes per configuration: otherwise identical
+        # engine processes differ in speed by a few percent; the creation order rotates per replica.
+        for name, _, model_dir, _ in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+            t0 = time.perf_counter()
+            engines[(name, rep)] = LLM(model=str(model_dir), dtype=args.dtype, enforce_eager=args.eager,
+                                       max_model_len=512, seed=0, max_num_seqs=max(len(prompts), 8),
+                                       kv_cache_memory_bytes=args.kv_cache_mib << 20)
+            inits.setdefault(name, []).append(time.perf_counter() - t0)
+            engines[(name, rep)].generate(prompts, params, use_tqdm=False)  # warm-up
+            print(f"{name} #{rep}: ready in {inits[name][-1]:.0f}s", flush=True)
+    samples = {name: [] for name, _ in engines}
+    shares = {name: [] for name, _ in engines}
     firsts = {}
     for r in range(args.rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
-        for name in order:
-            llm = engines[name]
+        for key in order:
+            name = key[0]
+            llm = engines[key]
             llm.collective_rpc(_read_profile)
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -122,7 +128,7 @@ def _measure(configs, prompts, args) -> dict:
             samples[name].append(tokens / dt)
             shares[name].append(prof["seconds"] / dt)
             firsts.setdefault(name, [list(o.outputs[0].token_ids)[:8] for o in outs])
-            print(f"round {r} {name}: {tokens / dt:.1f} tok/s, ALOE op {100 * prof['seconds'] / dt:.2f}% "
+            print(f"round {r} {name} #{key[1]}: {tokens / dt:.1f} tok/s, ALOE op {100 * prof['seconds'] / dt:.2f}% "
                   f"({prof['calls']} calls, {prof['tokens']} tokens)", flush=True)
     return {"samples": samples, "shares": shares, "inits": inits, "firsts": firsts}
 
@@ -179,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--replicas", type=int, default=3, help="engine processes per configuration")
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per engine")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's default compiled mode)")
     p.add_argument("--omp-bind", default=None,
@@ -218,7 +226,6 @@ def main(argv=None) -> int:
     # Engines in their own processes (vLLM's default), ALOE op timers on in their workers.
     os.environ["ALOE_VLLM_PROFILE"] = "1"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
     if args.omp_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
@@ -229,7 +236,7 @@ def main(argv=None) -> int:
     rows = []
     for name, n, d, stats in configs:
         med = statistics.median(samples[name])
-        paired = [a / b for a, b in zip(samples[name], samples["base"])]  # same round: adjacent in time
+        paired = [a / b for a, b in zip(samples[name], samples["base"])]  # same round and replica
         rows.append({
             "config": name, "n_edits": n, "median_tok_per_s": round(med, 2),
             "min_tok_per_s": round(min(samples[name]), 2), "max_tok_per_s": round(max(samples[name]), 2),
@@ -246,6 +253,7 @@ def main(argv=None) -> int:
         "settings": {"model": str(base_dir), "layer": args.layer, "dtype": args.dtype,
                      "mode": "eager" if args.eager else "compiled (vLLM default on CPU)",
                      "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                     "replicas": args.replicas,
                      "open_fraction": args.open_fraction,
                      "omp_bind": args.omp_bind or "auto",
                      "cpu_path": "ALOE_VLLM_SCREEN=" + os.environ.get("ALOE_VLLM_SCREEN", "auto")

@@ -115,7 +115,7 @@ def test_tp_split_math_matches_reference(tp):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_screened_cpu_path_is_exact(dtype):
     """The bf16 screen never drops an edit that opens: same result as the fp32 reference."""
-    from aloe_vllm.ops import screen_limit, screened_residual_torch_
+    from aloe_vllm.ops import make_screen_gemm, screen_limit, screened_residual_torch_
 
     g = torch.Generator().manual_seed(1)
     d, d_out, n, T = 256, 24, 400, 96
@@ -141,10 +141,11 @@ def test_screened_cpu_path_is_exact(dtype):
                              op.eps, op.gate_eps)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
-    # and through the custom op
+    # through the custom op, with the prepacked oneDNN GEMM (vLLM's CPU kernel) when available
+    a_pk, handle = make_screen_gemm(op.addresses)
     y2 = torch.zeros(T, d_out, dtype=dtype)
-    torch.ops.aloe_vllm.screened_residual_(y2, hx, a_lo, lim, op.addresses, op.thresholds, op.temperatures,
-                                           op.writes, op.eps, op.gate_eps)
+    torch.ops.aloe_vllm.screened_residual_(y2, hx, a_pk, handle, lim, op.addresses, op.thresholds,
+                                           op.temperatures, op.writes, op.eps, op.gate_eps)
     torch.testing.assert_close(y2, y)
 
 
@@ -193,9 +194,11 @@ def test_tiny_parity_eager_and_compiled(tiny, family, vllm_cache):
         {**run, "eager": True, "env": {"ALOE_VLLM_SCREEN": "0"}},  # CPU sparse path (aloe_residual_)
         # vLLM's default compiled mode on CPU (Dynamo + Inductor), screened CPU path
         {**run, "eager": False, "env": {"ALOE_VLLM_SCREEN": "1"}},
-        {**run, "eager": True, "env": {"TRITON_INTERPRET": "1"}},  # the fused Triton kernel, interpreted
     ]
-    eager, compiled, kernel = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
+    eager, compiled = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
+    # The fused Triton kernel, interpreted: in a process of its own, since Triton reads
+    # TRITON_INTERPRET when the kernels are defined, not when they run.
+    (kernel,) = run_vllm_generate([{**run, "eager": True}], env=vllm_env(1, vllm_cache, TRITON_INTERPRET="1"))
     assert eager == t["hf_edit"]
     assert compiled == t["hf_edit"]
     assert kernel == t["hf_edit"]

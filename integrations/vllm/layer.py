@@ -86,8 +86,9 @@ class AloeRowParallelLinear(RowParallelLinear):
         """After loading: set up the screened CPU path if it applies (bf16 copies of the addresses)."""
         self.aloe_screen = ops.screening_enabled(self.aloe_n, self.aloe_addresses.device, self.tp_size)
         if self.aloe_screen:
-            self.register_buffer("aloe_addresses_lo", self.aloe_addresses.detach().to(torch.bfloat16),
-                                 persistent=False)
+            a_lo, handle = ops.make_screen_gemm(self.aloe_addresses)
+            self.register_buffer("aloe_addresses_lo", a_lo, persistent=False)
+            self.register_buffer("aloe_screen_handle", handle, persistent=False)
             self.register_buffer("aloe_limit_lo", ops.screen_limit(self.aloe_thresholds.detach(),
                                                                    self.aloe_temperatures.detach(),
                                                                    self.aloe_gate_eps), persistent=False)
@@ -130,7 +131,8 @@ class AloeRowParallelLinear(RowParallelLinear):
         """Add this rank's part of ``U g(h)`` into the partial output, before the all-reduce."""
         if self.aloe_screen:
             torch.ops.aloe_vllm.screened_residual_(
-                out, h, self.aloe_addresses_lo, self.aloe_limit_lo, self.aloe_addresses, self.aloe_thresholds,
+                out, h, self.aloe_addresses_lo, self.aloe_screen_handle, self.aloe_limit_lo, self.aloe_addresses,
+                self.aloe_thresholds,
                 self.aloe_temperatures, self.aloe_writes, self.aloe_eps, self.aloe_gate_eps,
             )
             return

@@ -15,7 +15,7 @@ shapes), each dispatching to the fused Triton kernel of
   ``[edit_offset, edit_offset + n_share)`` with this rank's share of the edits
   and add that share's writes into ``y`` (the partial, pre-all-reduce output).
 
-- ``aloe_vllm::screened_residual_(y, h, A_lo, limit_lo, A, tau, alpha, U, eps, gate_eps)``:
+- ``aloe_vllm::screened_residual_(y, h, A_lo, handle, limit_lo, A, tau, alpha, U, eps, gate_eps)``:
   the TP=1 CPU fast path (see :func:`screened_residual_torch_`): scores are
   screened with a bf16 GEMM (AMX/AVX512-BF16) of the normalised h against a
   bf16 copy of the addresses, and only the edits that may open are scored
@@ -45,6 +45,7 @@ __all__ = [
     "partial_scores_torch",
     "profile_counters",
     "runtime_operator",
+    "make_screen_gemm",
     "screen_limit",
     "screened_residual_torch_",
     "screening_enabled",
@@ -144,24 +145,61 @@ def screen_limit(thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps:
     return (_open_floor(thresholds.float(), temperatures.float(), gate_eps) - SCREEN_MARGIN).to(torch.bfloat16)
 
 
+_SCREEN_HANDLERS: list = []
+
+
+def make_screen_gemm(addresses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The screen's bf16 GEMM operand: ``(addresses_lo, handle)``.
+
+    With vLLM's oneDNN CPU GEMM available (``vllm._custom_ops.create_onednn_mm``,
+    what vLLM uses for its own linear layers) the bf16 addresses are prepacked
+    once and ``handle`` is the int64 handle tensor (``addresses_lo`` is then
+    empty: the packed copy is all that is kept); otherwise ``handle`` is empty
+    and ``addresses_lo`` is the (n, d) bf16 copy for ``torch.matmul``.
+    """
+    a_lo = addresses.detach().to(torch.bfloat16).contiguous()
+    empty = torch.empty(0, dtype=torch.int64, device=addresses.device)
+    if os.environ.get("ALOE_VLLM_SCREEN_ONEDNN", "1") != "0" and a_lo.device.type == "cpu" and a_lo.shape[0] > 0:
+        try:
+            from vllm import _custom_ops as vllm_ops
+
+            if vllm_ops._supports_onednn:
+                handler = vllm_ops.create_onednn_mm(a_lo.t(), 32)
+                # The handler frees the packed matrix when collected: keep it for the process's life.
+                _SCREEN_HANDLERS.append(handler)
+                return a_lo.new_empty((0, a_lo.shape[1])), handler.handler_tensor
+        except Exception:  # no vLLM / no oneDNN build: plain matmul
+            pass
+    return a_lo, empty
+
+
 def screened_residual_torch_(
     y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, limit_lo: torch.Tensor,
     addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
-    eps: float, gate_eps: float,
+    eps: float, gate_eps: float, screen_handle: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y += U g(h)`` (in place): bf16 screen over all edits, exact fp32 gates for the few that may open.
 
     An edit is kept when its bf16 score exceeds ``limit_lo`` for some token;
     every edit whose exact score reaches its open floor is kept (see
-    :data:`SCREEN_MARGIN`), so the gates equal the fp32 path's.
+    :data:`SCREEN_MARGIN`), so the gates equal the fp32 path's. The screen
+    GEMM uses the prepacked oneDNN handle when given (see
+    :func:`make_screen_gemm`), else ``addresses_lo``.
     """
-    d, d_out = addresses.shape[1], writes.shape[1]
+    n, d = addresses.shape
+    d_out = writes.shape[1]
     h2 = h.reshape(-1, d)
-    if h2.shape[0] == 0 or addresses.shape[0] == 0:
+    if h2.shape[0] == 0 or n == 0:
         return y
     hf = h2.float()
     hn = hf / torch.linalg.vector_norm(hf, dim=1, keepdim=True).clamp_min(eps)
-    best = (hn.to(torch.bfloat16) @ addresses_lo.T).amax(dim=0)  # (n,): one pass over the bf16 scores
+    hb = hn.to(torch.bfloat16)
+    if screen_handle is not None and screen_handle.numel():
+        raw = torch.empty((hb.shape[0], n), dtype=torch.bfloat16, device=hb.device)
+        torch.ops._C.onednn_mm(raw, hb, None, screen_handle)
+    else:
+        raw = hb @ addresses_lo.T
+    best = raw.amax(dim=0)  # (n,): one pass over the bf16 scores
     idx = (best > limit_lo).nonzero().squeeze(1)
     if idx.numel() == 0:
         return y
@@ -239,18 +277,19 @@ def _residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_
 
 @torch.library.custom_op("aloe_vllm::screened_residual_", mutates_args=("y",))
 def screened_residual_(
-    y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, limit_lo: torch.Tensor,
-    addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
-    eps: float, gate_eps: float,
+    y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, screen_handle: torch.Tensor,
+    limit_lo: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
+    writes: torch.Tensor, eps: float, gate_eps: float,
 ) -> None:
     """``y += U g(h)``: the screened CPU path (:func:`screened_residual_torch_`)."""
     with _timed(h.numel() // h.shape[-1]):
         screened_residual_torch_(y, h, addresses_lo, limit_lo, addresses, thresholds, temperatures, writes,
-                                 eps, gate_eps)
+                                 eps, gate_eps, screen_handle)
 
 
 @screened_residual_.register_fake
-def _screened_fake(y, h, addresses_lo, limit_lo, addresses, thresholds, temperatures, writes, eps, gate_eps) -> None:
+def _screened_fake(y, h, addresses_lo, screen_handle, limit_lo, addresses, thresholds, temperatures, writes, eps,
+                   gate_eps) -> None:
     return None
 
 

@@ -86,7 +86,7 @@ def save_tiny_model(out: str | os.PathLike, family: str = "llama", seed: int = 0
         bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init with std 0.02 gives near-uniform logits; widen them so greedy
     # decoding has clear winners (fp rounding differences never flip a token).
     with torch.no_grad():

@@ -1,0 +1,222 @@
+"""Forward passes of the edited model for the write stages (6 and 8), computed once up to the edit.
+
+An edit adds ``U g(h)`` to the output of layer L's down-projection. Neither
+``h`` (the down-projection input) nor anything below it depends on the
+writes, so for each training sequence this module runs the model once, keeps
+layer L's output without the edit and the gates of every slot that opens on
+the sequence, and from then on every optimisation step only runs the layers
+above L (and the output projection on the target positions), forward and
+backward. On SmolLM2 at layer 22 that is 7 of 30 layers per step.
+
+The upper-layer pass calls the decoder stack's own forward with the cached
+hidden states as ``inputs_embeds`` and the layer list cut to the layers above
+L. Models whose stack transforms ``inputs_embeds`` (GPT-2 adds position
+embeddings, some scale them) would be computed wrongly that way: the first
+batch is checked against a full forward and, if they differ, every step runs
+the whole model with a hook on the down-projection instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from aloe_kernels import AloeOperator
+from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
+from aloe_kernels.reference import gates_from_scores
+
+from .states import batch_inputs, model_device, normalize_rows, pad_id
+
+# Largest relative difference between the upper-layer pass and a full forward that
+# still counts as the same computation (fp32 and bf16 reorderings stay far below it).
+_SAME_LOGITS_RTOL = 1e-2
+
+
+class _Stop(Exception):
+    """Raised after layer L's output is captured, to skip the layers above it."""
+
+
+@dataclass
+class SequenceGates:
+    """The slots that open somewhere on one sequence and their gates at every position."""
+
+    slots: torch.Tensor  # (k,) long
+    gates: torch.Tensor  # (T, k) float32
+
+
+def _hidden_of(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class EditedForward:
+    """Target NLL of prompt + target sequences with a residual added at the edited layer.
+
+    ``seqs[i]`` is slot i's training sequence and ``target_lens[i]`` the number of
+    its final tokens scored; ``op`` supplies the layer and the (frozen) gates.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
+                 op: AloeOperator, batch_size: int = 32, autocast_dtype: torch.dtype | None = None,
+                 desc: str = "gates and layer outputs"):
+        self.model, self.seqs, self.target_lens = model, [list(s) for s in seqs], list(target_lens)
+        self.layer, self.d_out = op.layer, op.d_out
+        self.device = model_device(model)
+        self.pid = pad_id(tokenizer)
+        self.autocast_dtype = autocast_dtype
+        self.site = locate_down_proj(model, op.layer)
+        path, self.layers = decoder_layers(model)
+        parent_path, _, self.layers_attr = path.rpartition(".")
+        self.stack = _get(model, parent_path) if parent_path else model
+        self.hidden: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        self.gates: list[SequenceGates] = [SequenceGates(torch.empty(0, dtype=torch.long), torch.empty(0, 0))] * len(seqs)
+        self.upper_only = True
+        self._prefix(op, batch_size, desc)
+
+    # ---- one pass up to the edited layer -------------------------------------------------
+
+    def _prefix(self, op: AloeOperator, batch_size: int, desc: str) -> None:
+        V, tau, alpha = (t.to(self.device, torch.float32) for t in (op.addresses, op.thresholds, op.temperatures))
+        box: dict = {}
+
+        def take_h(module, args):
+            box["h"] = args[0].detach()
+
+        def take_out(module, args, output):
+            box["out"] = _hidden_of(output).detach()
+            raise _Stop
+
+        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))  # similar lengths share a batch
+        handles = [self.site.module.register_forward_pre_hook(take_h),
+                   self.layers[self.layer].register_forward_hook(take_out)]
+        try:
+            for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+                idx = order[start: start + batch_size]
+                inputs = batch_inputs([self.seqs[i] for i in idx], self.pid, self.device)
+                with torch.no_grad(), self._autocast():
+                    try:
+                        self.model(**inputs, use_cache=False)
+                    except _Stop:
+                        pass
+                width = inputs["input_ids"].shape[1]
+                g = gates_from_scores(normalize_rows(box["h"], op.eps) @ V.T, tau, alpha, op.gate_eps)  # (B, W, n)
+                for row, i in enumerate(idx):
+                    real = slice(width - len(self.seqs[i]), width)
+                    gi = g[row, real]
+                    slots = (gi > 0).any(0).nonzero().squeeze(1)
+                    self.gates[i] = SequenceGates(slots.cpu(), gi[:, slots].float().cpu())
+                    self.hidden[i] = box["out"][row, real].float().cpu()
+        finally:
+            for h in handles:
+                h.remove()
+        if self.seqs:
+            self._check_upper_pass(order[:batch_size])
+
+    def _check_upper_pass(self, rows: list[int]) -> None:
+        """Use the upper-layer pass only if it reproduces the full forward's logits."""
+        zero = torch.zeros(len(rows), max(len(self.seqs[i]) for i in rows), self.d_out, device=self.device)
+        with torch.no_grad():
+            fast = self.logits(rows, zero)
+            self.upper_only = False
+            full = self.logits(rows, zero)
+        scale = full.abs().max().clamp_min(1e-6)
+        self.upper_only = bool(torch.isfinite(fast).all() and ((fast - full).abs().max() / scale) < _SAME_LOGITS_RTOL)
+
+    # ---- per-batch pieces ----------------------------------------------------------------
+
+    def width(self, rows: Sequence[int]) -> int:
+        return max(len(self.seqs[i]) for i in rows)
+
+    def own_gates(self, rows: Sequence[int]) -> torch.Tensor:
+        """(B, W) left-padded gate of slot ``rows[b]`` on its own sequence."""
+        W = self.width(rows)
+        out = torch.zeros(len(rows), W)
+        for b, i in enumerate(rows):
+            sg = self.gates[i]
+            hit = (sg.slots == i).nonzero()
+            if hit.numel():
+                out[b, W - sg.gates.shape[0]:] = sg.gates[:, int(hit[0, 0])]
+        return out.to(self.device)
+
+    def all_gates(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, G)``: the slots open anywhere in the batch and their (B, W, k) left-padded gates."""
+        W = self.width(rows)
+        slots = torch.unique(torch.cat([self.gates[i].slots for i in rows]))
+        col = {int(s): c for c, s in enumerate(slots)}
+        G = torch.zeros(len(rows), W, len(slots))
+        for b, i in enumerate(rows):
+            sg = self.gates[i]
+            if sg.slots.numel():
+                cols = torch.tensor([col[int(s)] for s in sg.slots])
+                G[b, W - sg.gates.shape[0]:, cols] = sg.gates
+        return slots.to(self.device), G.to(self.device)
+
+    # ---- forward --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Within the context no model parameter collects gradients (only the writes train)."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in trainable:
+                p.requires_grad_(True)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @contextlib.contextmanager
+    def _upper_layers(self) -> Iterator[None]:
+        full = getattr(self.stack, self.layers_attr)
+        setattr(self.stack, self.layers_attr, nn.ModuleList(list(full)[self.layer + 1:]))
+        try:
+            yield
+        finally:
+            setattr(self.stack, self.layers_attr, full)
+
+    def logits(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
+        """Logits at the last ``max target length + 1`` positions with ``residual`` (B, W, d_out)
+        added to the edited down-projection's output."""
+        batch = [self.seqs[i] for i in rows]
+        keep = max(self.target_lens[i] for i in rows) + 1
+        inputs = batch_inputs(batch, self.pid, self.device)
+        with self._autocast():
+            if self.upper_only:
+                W = inputs["input_ids"].shape[1]
+                hidden = torch.zeros(len(rows), W, self.hidden[rows[0]].shape[-1], device=self.device)
+                for b, i in enumerate(rows):
+                    hidden[b, W - len(self.seqs[i]):] = self.hidden[i].to(self.device)
+                hidden = hidden + residual.to(hidden.dtype)
+                with self._upper_layers():
+                    out = self.stack(inputs_embeds=hidden, attention_mask=inputs["attention_mask"],
+                                     position_ids=inputs["position_ids"], use_cache=False).last_hidden_state
+            else:
+                handle = self.site.module.register_forward_hook(lambda m, a, o: o + residual.to(o.dtype))
+                try:
+                    out = self.model.base_model(**inputs, use_cache=False).last_hidden_state
+                finally:
+                    handle.remove()
+            # A contiguous slice for the vocabulary GEMM: a strided one runs far slower on CPU.
+            return self.model.get_output_embeddings()(out[:, -keep:].contiguous())
+
+    def nll(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
+        """(B,) mean NLL of each row's target tokens."""
+        logits = self.logits(rows, residual)
+        K = logits.shape[1]
+        losses = []
+        for b, i in enumerate(rows):
+            n = self.target_lens[i]
+            tgt = torch.tensor(self.seqs[i][-n:], device=logits.device)
+            # logits at position p predict token p+1: the last n tokens come from the n positions before them
+            losses.append(F.cross_entropy(logits[b, K - n - 1: K - 1].float(), tgt))
+        return torch.stack(losses)
