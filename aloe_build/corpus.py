@@ -19,6 +19,9 @@ from .data import EditRequest, load_edits, relation_templates
 # license, from ROME), shipped with the package so that a build needs no
 # external data. Streams evaluated here come from other splits.
 BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpora" / "counterfact-train-4k.jsonl"
+# Bumped whenever what is mined from a corpus changes (it keys the encoder cache).
+# 2: templates grouped into relations through the records' rephrases and locality prompts.
+CORPUS_VERSION = 2
 
 
 def default_corpus_path() -> Path:
@@ -53,6 +56,11 @@ class Corpus:
                 "prompt and a subject inside its prompt)"
             )
         self.templates = relation_templates(self.records)
+        if len(self.templates) < 2:
+            raise ValueError(
+                "construction corpus: its templates form a single relation, so there are no other-relation "
+                "prompts to serve as same-subject negatives; use a corpus with several relations"
+            )
         self.group_of_template = {t: g for g, ts in self.templates.items() for t in ts}
         self.subjects = sorted({r.subject for r in self.records})
         rng = random.Random(seed)
@@ -78,6 +86,13 @@ class Corpus:
                 continue
             out.append(rng.choice(self.templates[g]).replace("{}", subject))
         return out
+
+    def same_relation_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:
+        """Up to ``k`` other templates of ``template``'s relation filled with ``subject``: paraphrases
+        of the request built from construction data alone (empty when the template is unknown)."""
+        group = self.group_of_template.get(template)
+        others = [t for t in self.templates.get(group, []) if t != template] if group is not None else []
+        return [t.replace("{}", subject) for t in rng.sample(others, min(k, len(others)))]
 
     def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:
         """``template`` filled with ``k`` other corpus subjects (same relation, other subject)."""

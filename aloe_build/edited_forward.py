@@ -57,15 +57,17 @@ def _hidden_of(output) -> torch.Tensor:
 class EditedForward:
     """Target NLL of prompt + target sequences with a residual added at the edited layer.
 
-    ``seqs[i]`` is slot i's training sequence and ``target_lens[i]`` the number of
-    its final tokens scored; ``op`` supplies the layer and the (frozen) gates.
+    ``seqs[i]`` is a training sequence of slot ``owners[i]`` (default: slot i) and
+    ``target_lens[i]`` the number of its final tokens scored; ``op`` supplies the
+    layer and the (frozen) gates.
     """
 
     def __init__(self, model: nn.Module, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
                  op: AloeOperator, batch_size: int = 32, autocast_dtype: torch.dtype | None = None,
-                 desc: str = "gates and layer outputs"):
+                 desc: str = "gates and layer outputs", owners: Sequence[int] | None = None):
         self.model, self.seqs, self.target_lens = model, [list(s) for s in seqs], list(target_lens)
-        self.layer, self.d_out = op.layer, op.d_out
+        self.layer, self.d_out, self.n_slots = op.layer, op.d_out, op.n
+        self.owners = list(owners) if owners is not None else list(range(len(seqs)))
         self.device = model_device(model)
         self.pid = pad_id(tokenizer)
         self.autocast_dtype = autocast_dtype
@@ -133,12 +135,12 @@ class EditedForward:
         return max(len(self.seqs[i]) for i in rows)
 
     def own_gates(self, rows: Sequence[int]) -> torch.Tensor:
-        """(B, W) left-padded gate of slot ``rows[b]`` on its own sequence."""
+        """(B, W) left-padded gate of the slot that owns sequence ``rows[b]``, on that sequence."""
         W = self.width(rows)
         out = torch.zeros(len(rows), W)
         for b, i in enumerate(rows):
             sg = self.gates[i]
-            hit = (sg.slots == i).nonzero()
+            hit = (sg.slots == self.owners[i]).nonzero()
             if hit.numel():
                 out[b, W - sg.gates.shape[0]:] = sg.gates[:, int(hit[0, 0])]
         return out.to(self.device)

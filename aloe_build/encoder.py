@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .config import BuildConfig
-from .corpus import Corpus
+from .corpus import CORPUS_VERSION, Corpus
 from .states import last_token_states
 
 
@@ -85,7 +85,7 @@ def corpus_states(model, tokenizer, corpus: Corpus, layer: int, batch_size: int)
     texts += [p for it in items for p in it.same_subject[:S]]
     h = last_token_states(model, tokenizer, texts, layer, batch_size, desc="encoder corpus states")
     N = len(items)
-    return CorpusStates(h[:N], h[N:2 * N], h[2 * N:3 * N], h[3 * N:].reshape(N, S, -1))
+    return CorpusStates(h[:N], h[N:2 * N], h[2 * N:3 * N], h[3 * N:].reshape(N, S, h.shape[1]))
 
 
 def split_groups(corpus: Corpus, dev_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -216,7 +216,7 @@ def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig)
     fields = {k: v for k, v in cfg.to_dict().items() if k.startswith("encoder_") and k != "encoder_cache"}
     h = hashlib.sha256()
     h.update(json.dumps([fingerprint, layer, str(Path(corpus_path).resolve()), corpus_path.stat().st_size,
-                         fields, cfg.seed], sort_keys=True).encode())
+                         fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 

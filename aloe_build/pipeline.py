@@ -177,6 +177,11 @@ def _drop_duplicates_of(pool: torch.Tensor, anchors: torch.Tensor, chunk: int = 
     return pool[keep]
 
 
+def _template_of(slot: Slot) -> str | None:
+    """The request with its subject replaced by ``"{}"`` (None without a subject in the prompt)."""
+    return slot.prompt.replace(slot.subject, "{}", 1) if slot.subject and slot.subject in slot.prompt else None
+
+
 def encoder_cache_dir(cfg: BuildConfig, fingerprint: str, layer: int, corpus_path: Path) -> Path:
     """Where the encoder and the shared negatives of a (model weight, layer, corpus, settings) live."""
     default = Path(os.environ.get("ALOE_CACHE", Path.home() / ".cache" / "aloe")) / "encoders"
@@ -250,6 +255,20 @@ def build_operator(
     seqs = [p + t for p, t in zip(p_ids, t_ids)]
     anchor_pos = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cfg.max_target_tokens))) for p, t in zip(p_ids, t_ids)]
     same_prompt = torch.tensor([[a.prompt == b.prompt for b in slots] for a in slots])
+    # Paraphrase positives from construction data: other templates of each request's relation,
+    # filled with its subject, followed by its target (own generator: fixed whatever else runs).
+    para_rng = random.Random(cfg.seed + 1)
+    para_prompt_ids, para_owner = [], []
+    for i, s in enumerate(slots):
+        template = _template_of(s)
+        if template and cfg.positives_same_relation > 0:
+            for text in corpus.same_relation_prompts(template, s.subject, cfg.positives_same_relation, para_rng):
+                para_prompt_ids.append(encode_prompt(tokenizer, text))
+                para_owner.append(i)
+    para_seqs = [p + t_ids[i] for p, i in zip(para_prompt_ids, para_owner)]
+    para_pos = [list(range(len(p) - 1, len(p) - 1 + min(len(t_ids[i]), cfg.max_target_tokens)))
+                for p, i in zip(para_prompt_ids, para_owner)]
+    seq_owner = torch.tensor(list(range(n)) + para_owner, dtype=torch.long)  # slot of each anchor sequence
 
     # (2) initial addresses from the request states
     def init() -> dict[str, torch.Tensor]:
@@ -260,7 +279,8 @@ def build_operator(
 
     # (3) rollouts: anchors H+ and negatives H-
     def rollouts() -> dict[str, torch.Tensor]:
-        anchors = collect_states(model, tokenizer, seqs, layer, anchor_pos, cfg.batch_size, "stage 3: anchor states")
+        anchors = collect_states(model, tokenizer, seqs + para_seqs, layer, anchor_pos + para_pos, cfg.batch_size,
+                                 "stage 3: anchor states")
         pool = _drop_duplicates_of(_shared_negatives(model, tokenizer, layer, enc_dir, corpus, cfg), anchors.states)
         spec_seqs, spec_pos, spec_owner = [], [], []
         for i, s in enumerate(slots):
@@ -269,7 +289,7 @@ def build_operator(
                 spec_seqs.append(p_ids[i])
                 spec_pos.append(own_prefix)
                 spec_owner.append(i)
-            template = s.prompt.replace(s.subject, "{}", 1) if s.subject and s.subject in s.prompt else None
+            template = _template_of(s)
             group = corpus.group_of_template.get(template or "", s.relation or template or "")
             texts = corpus.other_relation_prompts(s.subject, group, cfg.negatives_same_subject, rng) if s.subject else []
             if template:
@@ -282,8 +302,10 @@ def build_operator(
         spec = collect_states(model, tokenizer, spec_seqs, layer, spec_pos, cfg.batch_size, "stage 3: edit negatives")
         owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
         report.stages["3_rollouts"] = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
-                                       "edit_negatives": int(spec.states.shape[0])}
-        return {"anchors": anchors.states, "anchor_owner": anchors.owner(), "pool": pool,
+                                       "edit_negatives": int(spec.states.shape[0]),
+                                       "paraphrase_positives": len(para_seqs),
+                                       "slots_with_paraphrases": len(set(para_owner))}
+        return {"anchors": anchors.states, "anchor_owner": seq_owner[anchors.owner()], "pool": pool,
                 "specific": spec.states, "specific_owner": owner}
 
     roll = stage("3_rollouts", rollouts)
@@ -318,15 +340,17 @@ def build_operator(
                   base_model=model_name(model), weight_fingerprint=fingerprint)
     gated = AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"],
                          writes=torch.zeros(n, site.d_out), **header)
-    target_lens = [min(len(t), cfg.max_target_tokens) for t in t_ids]
-    tseqs = [p + t[: cfg.max_target_tokens] for p, t in zip(p_ids, t_ids)]
+    # training sequences of the write stages: the requests (sequence i = slot i), then the paraphrases
+    target_lens = [min(len(t_ids[i]), cfg.max_target_tokens) for i in seq_owner.tolist()]
+    tseqs = [p + t_ids[i][: cfg.max_target_tokens]
+             for p, i in zip(p_ids + para_prompt_ids, seq_owner.tolist())]
 
     # one pass up to the edited layer, shared by stages 6 and 8 when both run
     shared_forward: list[EditedForward] = []
 
     def forward_of_writes() -> EditedForward:
         if not shared_forward:
-            shared_forward.append(edited_forward(model, tokenizer, tseqs, target_lens, gated, cfg))
+            shared_forward.append(edited_forward(model, tokenizer, tseqs, target_lens, seq_owner.tolist(), gated, cfg))
         return shared_forward[0]
 
     # (6) write targets

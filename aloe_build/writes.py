@@ -28,16 +28,17 @@ from .edited_forward import EditedForward
 
 
 def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
-                   op: AloeOperator, cfg: BuildConfig) -> EditedForward:
-    """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then)."""
+                   owners: Sequence[int], op: AloeOperator, cfg: BuildConfig) -> EditedForward:
+    """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then).
+    Sequence i < op.n is slot i's request; later ones are extra sequences of slot ``owners[i]``."""
     dtype = torch.bfloat16 if cfg.compute_dtype == "bfloat16" else None
     return EditedForward(model, tokenizer, seqs, target_lens, op, cfg.batch_size, dtype,
-                         desc="stages 6-8: gates and layer outputs")
+                         desc="stages 6-8: gates and layer outputs", owners=owners)
 
 
 def write_targets(fwd: EditedForward, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:
-    """Stage 6: for slot i, delta_i (d_out) minimising the target NLL with out += g_i(h) delta_i."""
-    n = len(fwd.seqs)
+    """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its request with out += g_i(h) delta_i."""
+    n = fwd.n_slots
     deltas = torch.zeros(n, fwd.d_out)
     final_losses = [0.0] * n
     order = sorted(range(n), key=lambda i: len(fwd.seqs[i]))  # similar lengths share a batch: less padding

