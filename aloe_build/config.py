@@ -39,7 +39,9 @@ class BuildConfig:
     negatives_same_relation: int = 3  # the edit's template filled with other corpus subjects
     # Paraphrase positives: other templates of the edit's relation (mined from the construction
     # corpus) filled with the edit's subject; anchors in stages 4-5 and training sequences in stage 8.
-    positives_same_relation: int = 3
+    # Off by default: on 200 CounterFact val edits (SmolLM2, layer 22) 3 per edit moved
+    # Eff/Gen/Loc from 1.000/0.015/0.985 to 0.975/0.050/0.965, below the locality floor.
+    positives_same_relation: int = 0
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = 3000

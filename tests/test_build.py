@@ -238,3 +238,57 @@ def test_smollm2_small_build_edits_take(tmp_path):
     efficacy = sum(hits(a, e.target_new) for a, e in zip(after, edits)) / len(edits)
     assert efficacy >= 5 / 6, list(zip(after, [e.target_new for e in edits]))
     assert sum(a == b for a, b in zip(before, after_controls)) >= 5
+
+
+# ---------------------------------------------------------------- write-stage forward (edited_forward.py)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_edited_forward_matches_patched_model(family):
+    """Target NLL from the cached pass (upper layers only, or the fallback) equals the NLL of the
+    model patched with the same operator through apply_aloe, computed independently."""
+    import torch.nn.functional as F
+
+    from aloe_build.edited_forward import EditedForward
+    from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
+    from aloe_kernels.hf import locate_down_proj
+
+    from helpers import operator_opening_on
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model(family, num_layers=3), tiny_tokenizer()
+    texts = ["The capital of France is Paris", "Toko Yasuda plays the guitar", "What is the product made by UniFirst ? uniform",
+             "The Eiffel Tower is located in the city of Rome"]
+    seqs = [tok(t)["input_ids"] for t in texts]
+    lens = [1, 1, 1, 2]
+    site = locate_down_proj(model, 1)
+    # gates open at some real positions (captured states of two sequences), others closed
+    box = {}
+    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([seqs[0]]))
+    handle.remove()
+    op = operator_opening_on(box["h"][0, -3:], n_extra=2, d_out=site.d_out)
+    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
+                      writes=op.writes * 3, layer=1, weight_fingerprint="unchecked")
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=3, owners=[0, 1, 2, 0])
+    assert fwd.upper_only == (family != "gpt2")  # GPT-2 adds position embeddings to inputs_embeds
+    rows = [3, 0, 2]
+    slots, G = fwd.all_gates(rows)
+    assert slots.numel() > 0 and (G > 0).any()
+    got = fwd.nll(rows, G @ op.writes[slots].float())
+
+    apply_aloe(model, op, check_fingerprint=False)
+    try:
+        want = []
+        for i in rows:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seqs[i]])).logits[0].double()
+            n = lens[i]
+            want.append(F.cross_entropy(logits[-n - 1:-1], torch.tensor(seqs[i][-n:])))
+    finally:
+        remove_aloe(model)
+    torch.testing.assert_close(got.double(), torch.stack(want), atol=1e-4, rtol=1e-4)
+    # own gates: sequence 3 belongs to slot 0, whose gate opens on sequence 0 only
+    own = fwd.own_gates([0, 3])
+    assert own[0].max() > 0
