@@ -139,6 +139,8 @@ def calibrate(
     cfg: BuildConfig,
 ) -> Calibration:
     """Stage 5: thresholds and temperatures from the worst anchor and the worst negative of each slot."""
+    if not 0.0 < cfg.calibration_open_at <= 1.0:
+        raise ValueError(f"calibration_open_at must be in (0, 1], got {cfg.calibration_open_at}")
     s_pos = min_anchor_scores(V, anchors, anchor_owner)
     hard_s, hard_h = negatives.top(V, same_prompt, cfg.refine_hard_negatives)
     s_neg = hard_s[:, 0]
@@ -149,8 +151,11 @@ def calibrate(
     z_neg = _logit(gate_eps) - cfg.calibration_negative_slack
     gap = s_pos - s_neg
     separable = gap > 1e-6 * norms
-    alpha = torch.where(separable, (z_pos - z_neg) / gap.clamp_min(1e-12), cfg.inseparable_temperature / norms)
-    tau = torch.where(separable, s_pos - z_pos / alpha, (s_pos + s_neg) / 2)
+    # the gate reaches open_gate this far from the worst negative towards the worst anchor
+    # (1 = at the worst anchor, the paper's calibration; less opens states between the two wider)
+    reach = cfg.calibration_open_at * gap
+    alpha = torch.where(separable, (z_pos - z_neg) / reach.clamp_min(1e-12), cfg.inseparable_temperature / norms)
+    tau = torch.where(separable, s_neg + reach - z_pos / alpha, (s_pos + s_neg) / 2)
     bad = (~separable).nonzero().squeeze(1)
     if bad.numel():
         tau_b, alpha_b = _fit_inseparable(

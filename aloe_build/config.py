@@ -54,6 +54,9 @@ class BuildConfig:
     # (5) calibration
     open_gate: float = 0.9  # gate of the worst positive of a separable slot
     calibration_negative_slack: float = 2.0  # logits by which the worst negative sits below the dead-zone edge
+    # where, as a fraction of the way from the worst negative to the worst anchor, a separable
+    # slot's gate reaches open_gate (1.0: at the worst anchor, as in the paper)
+    calibration_open_at: float = 1.0
     inseparable_temperature: float = 8.0  # initial alpha of inseparable slots (per unit |v|)
     calibration_steps: int = 200
 

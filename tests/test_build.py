@@ -59,6 +59,26 @@ def test_calibration_separable_slot_properties():
         assert gates_of(negatives, op)[:, i].max() == 0.0
 
 
+def test_calibration_open_at_opens_wider_and_keeps_negatives_closed():
+    """calibration_open_at=0.5: the gate is open_gate halfway between the worst negative and the worst
+    anchor, the worst anchor opens wider than 0.9, and the worst negative still gives exactly 0."""
+    V0, anchors, owner, neg, same = _synthetic()
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
+    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.5))
+    assert cal.separable.all()
+    half = (cal.worst_negative + cal.worst_positive) / 2
+    gate = torch.sigmoid(cal.temperatures * (half - cal.thresholds))
+    torch.testing.assert_close((gate - 1e-3) / (1 - 1e-3), torch.full((6,), 0.9), rtol=0, atol=1e-4)
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
+    g_anchor = gates_of(anchors, op)[torch.arange(len(owner)), owner]
+    assert torch.full((6,), math.inf).scatter_reduce(0, owner, g_anchor, reduce="amin").min() > 0.9
+    for i in range(6):
+        negatives = torch.cat([neg.shared[neg.shared_owner != i], neg.specific[neg.specific_owner == i]])
+        assert gates_of(negatives, op)[:, i].max() == 0.0
+    with pytest.raises(ValueError, match="calibration_open_at"):
+        addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.0))
+
+
 def test_calibration_inseparable_slot_is_finite_and_balanced():
     V0, anchors, owner, neg, same = _synthetic(n=2)
     # make slot 0 inseparable: one of its specific negatives equals an anchor
