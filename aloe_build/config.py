@@ -55,7 +55,9 @@ class BuildConfig:
     open_gate: float = 0.9  # gate of the worst positive of a separable slot
     calibration_negative_slack: float = 2.0  # logits by which the worst negative sits below the dead-zone edge
     # where, as a fraction of the way from the worst negative to the worst anchor, a separable
-    # slot's gate reaches open_gate (1.0: at the worst anchor, as in the paper)
+    # slot's gate reaches open_gate (1.0: at the worst anchor, as in the paper). Lower values trade
+    # locality for generalization; on 200 CounterFact val edits (SmolLM2, layer 22) Eff/Gen/Loc were
+    # 1.000/0.015/0.985 at 1.0, 1.000/0.075/0.955 at 0.5 and 0.995/0.125/0.870 at 0.3.
     calibration_open_at: float = 1.0
     inseparable_temperature: float = 8.0  # initial alpha of inseparable slots (per unit |v|)
     calibration_steps: int = 200
