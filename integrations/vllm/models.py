@@ -59,6 +59,10 @@ def find_aloe_layer(model: nn.Module) -> AloeRowParallelLinear | None:
 class _AloeMixin:
     """Installs the ALOE layer after the base ``__init__`` and checks the fingerprint while loading."""
 
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self._aloe_install(vllm_config)
+
     def _aloe_install(self, vllm_config) -> None:
         from vllm.model_executor.models.utils import PPMissingLayer
 
@@ -148,30 +152,14 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 class AloeLlamaForCausalLM(_AloeMixin, LlamaForCausalLM):
     """vLLM's LlamaForCausalLM (Llama 2/3, SmolLM2) with an ALOE operator on one down_proj."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._aloe_install(vllm_config)
-
 
 class AloeMistralForCausalLM(_AloeMixin, MistralForCausalLM):
     """vLLM's MistralForCausalLM with an ALOE operator on one down_proj."""
-
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._aloe_install(vllm_config)
 
 
 class AloeQwen2ForCausalLM(_AloeMixin, Qwen2ForCausalLM):
     """vLLM's Qwen2ForCausalLM with an ALOE operator on one down_proj."""
 
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._aloe_install(vllm_config)
-
 
 class AloeQwen3ForCausalLM(_AloeMixin, Qwen3ForCausalLM):
     """vLLM's Qwen3ForCausalLM with an ALOE operator on one down_proj."""
-
-    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self._aloe_install(vllm_config)
