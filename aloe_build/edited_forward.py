@@ -31,15 +31,19 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
-from .states import batch_inputs, model_device, normalize_rows, pad_id
+from .states import (
+    _StopForward,
+    batch_inputs,
+    capture_down_proj_input,
+    model_device,
+    normalize_rows,
+    pad_id,
+    run_captured,
+)
 
 # Largest relative difference between the upper-layer pass and a full forward that
 # still counts as the same computation (fp32 and bf16 reorderings stay far below it).
 _SAME_LOGITS_RTOL = 1e-2
-
-
-class _Stop(Exception):
-    """Raised after layer L's output is captured, to skip the layers above it."""
 
 
 @dataclass
@@ -84,44 +88,37 @@ class EditedForward:
 
     def _prefix(self, op: AloeOperator, batch_size: int, desc: str) -> None:
         V, tau, alpha = (t.to(self.device, torch.float32) for t in (op.addresses, op.thresholds, op.temperatures))
-        box: dict = {}
-
-        def take_h(module, args):
-            box["h"] = args[0].detach()
+        out: dict = {}
 
         def take_out(module, args, output):
-            box["out"] = _hidden_of(output).detach()
-            raise _Stop
+            out["hidden"] = _hidden_of(output).detach()
+            raise _StopForward  # the layers above are not needed here
 
         order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))  # similar lengths share a batch
-        handles = [self.site.module.register_forward_pre_hook(take_h),
-                   self.layers[self.layer].register_forward_hook(take_out)]
+        handle = self.layers[self.layer].register_forward_hook(take_out)
         try:
-            for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-                idx = order[start: start + batch_size]
-                inputs = batch_inputs([self.seqs[i] for i in idx], self.pid, self.device)
-                with torch.no_grad(), self._autocast():
-                    try:
-                        self.model(**inputs, use_cache=False)
-                    except _Stop:
-                        pass
-                width = inputs["input_ids"].shape[1]
-                g = gates_from_scores(normalize_rows(box["h"], op.eps) @ V.T, tau, alpha, op.gate_eps)  # (B, W, n)
-                for row, i in enumerate(idx):
-                    real = slice(width - len(self.seqs[i]), width)
-                    gi = g[row, real]
-                    slots = (gi > 0).any(0).nonzero().squeeze(1)
-                    self.gates[i] = SequenceGates(slots.cpu(), gi[:, slots].float().cpu())
-                    self.hidden[i] = box["out"][row, real].float().cpu()
+            with capture_down_proj_input(self.model, self.layer, stop=False) as box:
+                for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+                    idx = order[start: start + batch_size]
+                    inputs = batch_inputs([self.seqs[i] for i in idx], self.pid, self.device)
+                    with self._autocast():
+                        h = run_captured(self.model, box, **inputs)
+                    width = inputs["input_ids"].shape[1]
+                    g = gates_from_scores(normalize_rows(h, op.eps) @ V.T, tau, alpha, op.gate_eps)  # (B, W, n)
+                    for row, i in enumerate(idx):
+                        real = slice(width - len(self.seqs[i]), width)
+                        gi = g[row, real]
+                        slots = (gi > 0).any(0).nonzero().squeeze(1)
+                        self.gates[i] = SequenceGates(slots.cpu(), gi[:, slots].float().cpu())
+                        self.hidden[i] = out["hidden"][row, real].float().cpu()
         finally:
-            for h in handles:
-                h.remove()
+            handle.remove()
         if self.seqs:
             self._check_upper_pass(order[:batch_size])
 
     def _check_upper_pass(self, rows: list[int]) -> None:
         """Use the upper-layer pass only if it reproduces the full forward's logits."""
-        zero = torch.zeros(len(rows), max(len(self.seqs[i]) for i in rows), self.d_out, device=self.device)
+        zero = torch.zeros(len(rows), self.width(rows), self.d_out, device=self.device)
         with torch.no_grad():
             fast = self.logits(rows, zero)
             self.upper_only = False
@@ -148,14 +145,12 @@ class EditedForward:
     def all_gates(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, G)``: the slots open anywhere in the batch and their (B, W, k) left-padded gates."""
         W = self.width(rows)
-        slots = torch.unique(torch.cat([self.gates[i].slots for i in rows]))
-        col = {int(s): c for c, s in enumerate(slots)}
+        slots = torch.unique(torch.cat([self.gates[i].slots for i in rows]))  # sorted
         G = torch.zeros(len(rows), W, len(slots))
         for b, i in enumerate(rows):
             sg = self.gates[i]
             if sg.slots.numel():
-                cols = torch.tensor([col[int(s)] for s in sg.slots])
-                G[b, W - sg.gates.shape[0]:, cols] = sg.gates
+                G[b, W - sg.gates.shape[0]:, torch.searchsorted(slots, sg.slots)] = sg.gates
         return slots.to(self.device), G.to(self.device)
 
     # ---- forward --------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class Slot:
     subject: str
     ids: list[str]
     relation: str | None
+    template: str | None  # the request with its subject replaced by "{}" (EditRequest.template)
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _slots(requests: Sequence[EditRequest]) -> list[Slot]:
         if key in slots:
             slots[key].ids.append(rid)
         else:
-            slots[key] = Slot(r.prompt, r.target_new, r.subject, [rid], r.relation)
+            slots[key] = Slot(r.prompt, r.target_new, r.subject, [rid], r.relation, r.template)
     return list(slots.values())
 
 
@@ -177,11 +178,6 @@ def _drop_duplicates_of(pool: torch.Tensor, anchors: torch.Tensor, chunk: int = 
     return pool[keep]
 
 
-def _template_of(slot: Slot) -> str | None:
-    """The request with its subject replaced by ``"{}"`` (None without a subject in the prompt)."""
-    return slot.prompt.replace(slot.subject, "{}", 1) if slot.subject and slot.subject in slot.prompt else None
-
-
 def encoder_cache_dir(cfg: BuildConfig, fingerprint: str, layer: int, corpus_path: Path) -> Path:
     """Where the encoder and the shared negatives of a (model weight, layer, corpus, settings) live."""
     default = Path(os.environ.get("ALOE_CACHE", Path.home() / ".cache" / "aloe")) / "encoders"
@@ -260,9 +256,8 @@ def build_operator(
     para_rng = random.Random(cfg.seed + 1)
     para_prompt_ids, para_owner = [], []
     for i, s in enumerate(slots):
-        template = _template_of(s)
-        if template and cfg.positives_same_relation > 0:
-            for text in corpus.same_relation_prompts(template, s.subject, cfg.positives_same_relation, para_rng):
+        if s.template and cfg.positives_same_relation > 0:
+            for text in corpus.same_relation_prompts(s.template, s.subject, cfg.positives_same_relation, para_rng):
                 para_prompt_ids.append(encode_prompt(tokenizer, text))
                 para_owner.append(i)
     para_seqs = [p + t_ids[i] for p, i in zip(para_prompt_ids, para_owner)]
@@ -289,7 +284,7 @@ def build_operator(
                 spec_seqs.append(p_ids[i])
                 spec_pos.append(own_prefix)
                 spec_owner.append(i)
-            template = _template_of(s)
+            template = s.template
             group = corpus.group_of_template.get(template or "", s.relation or template or "")
             texts = corpus.other_relation_prompts(s.subject, group, cfg.negatives_same_subject, rng) if s.subject else []
             if template:
