@@ -208,12 +208,19 @@ class EditedForward:
 
     def nll(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
         """(B,) mean NLL of each row's target tokens."""
+        return self.scored(rows, residual)[0]
+
+    def scored(self, rows: Sequence[int], residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(nll, exact)``: (B,) mean NLL of each row's target tokens and whether every one of
+        them is the argmax given the ones before (what greedy decoding of the target needs)."""
         logits = self.logits(rows, residual)
         K = logits.shape[1]
-        losses = []
+        losses, exact = [], []
         for b, i in enumerate(rows):
             n = self.target_lens[i]
             tgt = torch.tensor(self.seqs[i][-n:], device=logits.device)
             # logits at position p predict token p+1: the last n tokens come from the n positions before them
-            losses.append(F.cross_entropy(logits[b, K - n - 1: K - 1].float(), tgt))
-        return torch.stack(losses)
+            at = logits[b, K - n - 1: K - 1].float()
+            losses.append(F.cross_entropy(at, tgt))
+            exact.append(bool((at.detach().argmax(-1) == tgt).all()))
+        return torch.stack(losses), torch.tensor(exact)

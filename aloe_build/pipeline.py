@@ -29,7 +29,7 @@ from .data import EditRequest
 from .edited_forward import EditedForward
 from .encoder import AddressEncoder, build_encoder, cache_key
 from .states import collect_states, encode_prompt, encode_target, last_token_states, max_context
-from .writes import edited_forward, finetune_writes, gates_of, ridge_writes, write_targets
+from .writes import edited_forward, finetune_writes, gates_of, produced_rows, ridge_writes, write_targets
 
 
 class BuildError(RuntimeError):
@@ -350,8 +350,8 @@ def build_operator(
 
     # (6) write targets
     def targets() -> dict[str, torch.Tensor]:
-        deltas, nll = write_targets(forward_of_writes(), cfg)
-        report.stages["6_targets"] = {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll)}
+        deltas, nll, produced = write_targets(forward_of_writes(), cfg)
+        report.stages["6_targets"] = {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced}
         return {"Y": deltas}
 
     Y = stage("6_targets", targets)["Y"]
@@ -365,9 +365,12 @@ def build_operator(
 
     # (8) NLL fine-tuning
     def finetune() -> dict[str, torch.Tensor]:
-        U, losses = finetune_writes(forward_of_writes(), U0, cfg)
+        fwd = forward_of_writes()
+        U, losses = finetune_writes(fwd, U0, cfg)
+        # requests only (sequence i < n is slot i's request), with every slot's write in place
+        produced = sum(produced_rows(fwd, U, range(n), cfg.finetune_batch)) / n
         report.stages["8_finetune"] = {"steps": len(losses), "nll_first": losses[0] if losses else None,
-                                       "nll_last": losses[-1] if losses else None}
+                                       "nll_last": losses[-1] if losses else None, "produced": produced}
         return {"U": U}
 
     U = stage("8_finetune", finetune)["U"]

@@ -36,32 +36,49 @@ def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens:
                          desc="stages 6-8: gates and layer outputs", owners=owners)
 
 
-def write_targets(fwd: EditedForward, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:
-    """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its request with out += g_i(h) delta_i."""
+def write_targets(fwd: EditedForward, cfg: BuildConfig) -> tuple[torch.Tensor, list[float], float]:
+    """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its request with out += g_i(h) delta_i.
+
+    Each batch runs ``target_steps`` steps, then keeps going (up to ``target_max_steps``) on the
+    edits whose target is not yet produced greedily; an edit leaves the batch once it is, with
+    the delta of that step. Returns the deltas, each edit's final NLL and the share produced.
+    """
+    if cfg.target_l2 < 0 or cfg.target_steps < 0 or cfg.target_max_steps < 0:
+        raise ValueError("target_l2, target_steps and target_max_steps must be >= 0")
     n = fwd.n_slots
     deltas = torch.zeros(n, fwd.d_out)
     final_losses = [0.0] * n
+    produced = [False] * n
     order = sorted(range(n), key=lambda i: len(fwd.seqs[i]))  # similar lengths share a batch: less padding
     bar = tqdm(range(0, n, cfg.target_batch), desc="stage 6: write targets", leave=False)
     with fwd.frozen():
         for start in bar:
             rows = order[start: start + cfg.target_batch]
-            g = fwd.own_gates(rows)[..., None]  # (B, W, 1)
             delta = torch.zeros(len(rows), fwd.d_out, device=fwd.device, requires_grad=True)
             opt = torch.optim.Adam([delta], lr=cfg.target_lr)
-            for _ in range(cfg.target_steps):
-                nll = fwd.nll(rows, g * delta[:, None, :])
-                loss = nll.sum() + 1e-3 * (delta**2).sum()
+            live = list(range(len(rows)))  # batch positions still optimised
+            for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
+                sub = [rows[b] for b in live]
+                g = fwd.own_gates(sub)[..., None]  # (B, W, 1)
+                nll, exact = fwd.scored(sub, g * delta[live][:, None, :])
+                # record the deltas just scored: an edit that leaves keeps the delta that produced it
+                for b, i, v, e in zip(live, sub, nll.detach().float().cpu().tolist(), exact.tolist()):
+                    final_losses[i], produced[i] = v, e
+                    deltas[i] = delta.detach()[b].float().cpu()
+                if step >= cfg.target_steps:
+                    keep = ~exact
+                    live = [b for b, k in zip(live, keep.tolist()) if k]
+                    if not live or step >= cfg.target_max_steps:
+                        break
+                    nll = nll[keep.to(nll.device)]
+                loss = nll.sum() + cfg.target_l2 * (delta[live] ** 2).sum()
                 if not torch.isfinite(loss):
                     raise FloatingPointError("stage 6 (write targets): loss became NaN/Inf")
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            deltas[rows] = delta.detach().float().cpu()
-            for i, v in zip(rows, nll.detach().float().cpu().tolist()):
-                final_losses[i] = v
-            bar.set_postfix(nll=f"{float(nll.detach().mean()):.3f}")
-    return deltas, final_losses
+            bar.set_postfix(nll=f"{sum(final_losses[i] for i in rows) / len(rows):.3f}")
+    return deltas, final_losses, sum(produced) / max(n, 1)
 
 
 def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch.Tensor:
@@ -99,20 +116,36 @@ def ridge_writes(
 
 
 def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:
-    """Stage 8: AdamW on U for target NLL over minibatches of edits, the whole operator in place."""
+    """Stage 8: AdamW on U for target NLL over minibatches of edits, the whole operator in place.
+
+    With ``finetune_rescore_every`` > 0 the minibatches come from the sequences whose target the
+    current writes do not yet produce, re-scored that often; training stops once all are produced.
+    """
+    if cfg.finetune_rescore_every < 0:
+        raise ValueError(f"finetune_rescore_every must be >= 0, got {cfg.finetune_rescore_every}")
     if cfg.finetune_steps <= 0:
         return writes.clone(), []
     rng = random.Random(cfg.seed)
     losses: list[float] = []
     U = writes.detach().to(fwd.device, torch.float32).clone().requires_grad_(True)
     opt = torch.optim.AdamW([U], lr=cfg.finetune_lr, weight_decay=0.0)
-    order = list(range(len(fwd.seqs)))
-    rng.shuffle(order)
+    everything = list(range(len(fwd.seqs)))
+    order: list[int] = []
     pos = 0
     bar = tqdm(range(cfg.finetune_steps), desc="stage 8: write fine-tuning", leave=False)
     with fwd.frozen():
-        for _ in bar:
-            if pos + cfg.finetune_batch > len(order):
+        for step in bar:
+            if cfg.finetune_rescore_every > 0 and step % cfg.finetune_rescore_every == 0:
+                order = [i for i, ok in zip(everything, produced_rows(fwd, U.detach(), everything, cfg.finetune_batch))
+                         if not ok]
+                if not order:
+                    break  # every target is produced
+                rng.shuffle(order)
+                pos = 0
+            elif not order:
+                order = everything[:]
+                rng.shuffle(order)
+            if pos + cfg.finetune_batch > len(order) and pos > 0:
                 rng.shuffle(order)
                 pos = 0
             rows = order[pos: pos + cfg.finetune_batch]
@@ -125,5 +158,18 @@ def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) 
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
-            bar.set_postfix(nll=f"{losses[-1]:.3f}")
+            bar.set_postfix(nll=f"{losses[-1]:.3f}", missed=len(order))
     return U.detach().float().cpu().clone(), losses
+
+
+def produced_rows(fwd: EditedForward, U: torch.Tensor, rows: Sequence[int], batch: int) -> list[bool]:
+    """For each of ``rows``: is every token of its target the argmax under the whole operator with
+    writes ``U`` (teacher-forced, so the same as greedy decoding reproducing the target)?"""
+    out: list[bool] = []
+    U = U.to(fwd.device, torch.float32)
+    with torch.no_grad():
+        for start in range(0, len(rows), batch):
+            part = list(rows[start: start + batch])
+            slots, G = fwd.all_gates(part)
+            out += fwd.scored(part, G @ U[slots])[1].tolist()
+    return out
