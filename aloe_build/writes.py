@@ -57,20 +57,23 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig) -> tuple[torch.Tensor, l
             delta = torch.zeros(len(rows), fwd.d_out, device=fwd.device, requires_grad=True)
             opt = torch.optim.Adam([delta], lr=cfg.target_lr)
             live = list(range(len(rows)))  # batch positions still optimised
+            sub = rows
+            g = fwd.own_gates(sub)[..., None]  # (B, W, 1)
             for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
-                sub = [rows[b] for b in live]
-                g = fwd.own_gates(sub)[..., None]  # (B, W, 1)
                 nll, exact = fwd.scored(sub, g * delta[live][:, None, :])
                 # record the deltas just scored: an edit that leaves keeps the delta that produced it
-                for b, i, v, e in zip(live, sub, nll.detach().float().cpu().tolist(), exact.tolist()):
+                deltas[sub] = delta.detach()[live].float().cpu()
+                for i, v, e in zip(sub, nll.detach().float().cpu().tolist(), exact.tolist()):
                     final_losses[i], produced[i] = v, e
-                    deltas[i] = delta.detach()[b].float().cpu()
                 if step >= cfg.target_steps:
                     keep = ~exact
-                    live = [b for b, k in zip(live, keep.tolist()) if k]
-                    if not live or step >= cfg.target_max_steps:
+                    if not keep.any() or step >= cfg.target_max_steps:
                         break
-                    nll = nll[keep.to(nll.device)]
+                    if not keep.all():  # some edits left: a smaller batch from here on
+                        live = [b for b, k in zip(live, keep.tolist()) if k]
+                        sub = [rows[b] for b in live]
+                        g = fwd.own_gates(sub)[..., None]
+                        nll = nll[keep.to(nll.device)]
                 loss = nll.sum() + cfg.target_l2 * (delta[live] ** 2).sum()
                 if not torch.isfinite(loss):
                     raise FloatingPointError("stage 6 (write targets): loss became NaN/Inf")
@@ -130,7 +133,9 @@ def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) 
     U = writes.detach().to(fwd.device, torch.float32).clone().requires_grad_(True)
     opt = torch.optim.AdamW([U], lr=cfg.finetune_lr, weight_decay=0.0)
     everything = list(range(len(fwd.seqs)))
-    order: list[int] = []
+    order = everything[:]  # re-drawn from the missed sequences when rescoring
+    if cfg.finetune_rescore_every == 0:
+        rng.shuffle(order)
     pos = 0
     bar = tqdm(range(cfg.finetune_steps), desc="stage 8: write fine-tuning", leave=False)
     with fwd.frozen():
@@ -142,9 +147,6 @@ def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) 
                     break  # every target is produced
                 rng.shuffle(order)
                 pos = 0
-            elif not order:
-                order = everything[:]
-                rng.shuffle(order)
             if pos + cfg.finetune_batch > len(order) and pos > 0:
                 rng.shuffle(order)
                 pos = 0
