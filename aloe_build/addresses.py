@@ -26,7 +26,7 @@ class NegativeSet:
     """Negative states: a pool shared by every slot plus states that are negatives of one slot only."""
 
     shared: torch.Tensor  # (M, d)
-    shared_owner: torch.Tensor  # (M,) slot whose anchors these are (-1: a negative of every slot)
+    shared_owner: torch.Tensor  # (M,) slot whose anchor or request continuation each is (-1: a negative of every slot)
     specific: torch.Tensor  # (S, d)
     specific_owner: torch.Tensor  # (S,) the one slot each is a negative of
 

@@ -38,8 +38,19 @@ class BuildConfig:
     # "0850-01-01T00:00:00Z") missed; no CounterFact target and 25 of 998 zsRE ones are longer than 8
     max_target_tokens: int = 32
     negative_pool_records: int = 800  # corpus records whose prompts (all positions) form the shared negative pool
+    # Greedy continuations of this many tokens by the unedited model are appended to the pool's
+    # prompts and to every request; their states are negatives too (a request's own continuation
+    # excepted). Without them no negative is a state the model passes through while it writes
+    # text (at ".", "?" or a newline it generated), and on the 998 zsRE edits 44 of 49 locality
+    # misses had their largest gate on such a token of the continuation, not on the prompt.
+    negative_continuation_tokens: int = 16
     negatives_same_subject: int = 3  # other-relation templates filled with the edit's subject
     negatives_same_relation: int = 3  # the edit's template filled with other corpus subjects
+    # other requests' templates of the edited stream (of another relation where both are known)
+    # filled with the edit's subject: same-subject prompts in the stream's own phrasing, which
+    # the corpus templates do not cover (on KnowEdit recent most locality misses were prompts
+    # "The name of the <relation> of <subject> is" opening the subject's edit at " is")
+    negatives_stream_templates: int = 8
     # Paraphrase positives: other templates of the edit's relation (mined from the construction
     # corpus) filled with the edit's subject; anchors in stages 4-5 and training sequences in stage 8.
     # Off by default: on 200 CounterFact val edits (SmolLM2, layer 22) 3 per edit moved

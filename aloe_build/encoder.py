@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,19 @@ from tqdm.auto import tqdm
 from .config import BuildConfig
 from .corpus import CORPUS_VERSION, Corpus
 from .states import last_token_states
+
+
+def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """Write a safetensors file under a private temporary name, then rename it into place:
+    concurrent builds sharing a cache never read a partial file nor clobber each other's."""
+    from safetensors.torch import save_file
+
+    tmp = file.parent / f".{file.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -53,12 +68,14 @@ class AddressEncoder:
         return h_queries @ self.addresses(h_requests).T
 
     def save(self, path: Path, metrics: dict) -> None:
-        from safetensors.torch import save_file
-
+        """Atomically, metrics first: a build that finds encoder.safetensors finds a whole encoder,
+        even while another build is writing the same cache entry."""
         path.mkdir(parents=True, exist_ok=True)
-        save_file({"Q": self.Q.contiguous(), "K": self.K.contiguous(), "log_c": self.log_c.reshape(1)},
-                  str(path / "encoder.safetensors"))
-        (path / "encoder.json").write_text(json.dumps(metrics, indent=1))
+        tmp = path / f".encoder.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(metrics, indent=1))
+        os.replace(tmp, path / "encoder.json")
+        save_tensors_atomically({"Q": self.Q.contiguous(), "K": self.K.contiguous(), "log_c": self.log_c.reshape(1)},
+                                path / "encoder.safetensors")
 
     @classmethod
     def load(cls, path: Path) -> tuple["AddressEncoder", dict]:

@@ -27,8 +27,8 @@ from .config import BuildConfig
 from .corpus import Corpus, load_corpus
 from .data import EditRequest
 from .edited_forward import EditedForward
-from .encoder import AddressEncoder, build_encoder, cache_key
-from .states import collect_states, encode_prompt, encode_target, last_token_states, max_context
+from .encoder import AddressEncoder, build_encoder, cache_key, save_tensors_atomically
+from .states import collect_states, encode_prompt, encode_target, last_token_states, max_context, pad_id
 from .writes import edited_forward, finetune_writes, gates_of, produced_rows, ridge_writes, write_targets
 
 
@@ -146,36 +146,48 @@ def _encoder(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: Buil
     return enc, metrics, False
 
 
-def _shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
-    """States at every position of corpus prompts (requests, locality inputs, same-subject prompts):
-    negatives for every edit. They depend only on the model, layer and corpus, so they are cached
-    beside the encoder and shared by every build."""
-    from safetensors.torch import load_file, save_file
+def _continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_size: int, desc: str) -> list[list[int]]:
+    """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
+    cut before an end-of-sequence token (a server stops there and never feeds it back)."""
+    if tokens <= 0 or not prompts:
+        return [list(p) for p in prompts]
+    from .evaluate import greedy_generate
 
-    file = path / f"negatives-{cfg.negative_pool_records}.safetensors"
+    eos = tokenizer.eos_token_id
+    gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size, progress=True,
+                           desc=desc)
+    return [list(p) + (g[: g.index(eos)] if eos in g else g) for p, g in zip(prompts, gens)]
+
+
+def _shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
+    """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
+    and of their greedy continuations: negatives for every edit. They depend only on the model,
+    layer and corpus, so they are cached beside the encoder and shared by every build."""
+    from safetensors.torch import load_file
+
+    file = path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}.safetensors"
     if file.is_file():
         return load_file(str(file))["states"]
     texts: list[str] = []
     for it in corpus.items[: cfg.negative_pool_records]:
         texts += [it.request, it.locality, *it.same_subject[:1]]
     texts = list(dict.fromkeys(texts))
-    pool = collect_states(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts], layer, None,
-                          cfg.batch_size, "stage 3: shared negatives").states
+    seqs = _continued(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts], cfg.negative_continuation_tokens,
+                      cfg.batch_size, "stage 3: continuations of shared negatives")
+    pool = collect_states(model, tokenizer, seqs, layer, None, cfg.batch_size, "stage 3: shared negatives").states
     path.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    save_file({"states": pool.contiguous()}, str(tmp))
-    os.replace(tmp, file)
+    save_tensors_atomically({"states": pool.contiguous()}, file)
     return pool
 
 
-def _drop_duplicates_of(pool: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """Pool states that are not (numerically) an anchor: a corpus prompt identical to an edit's
+def _not_anchors(states: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Which states are not (numerically) an anchor: a corpus prompt identical to an edit's
     request must not become that edit's negative."""
-    keep = torch.ones(pool.shape[0], dtype=torch.bool)
-    for start in range(0, pool.shape[0], chunk):
-        sim = pool[start: start + chunk] @ anchors.T
+    keep = torch.ones(states.shape[0], dtype=torch.bool)
+    for start in range(0, states.shape[0], chunk):
+        sim = states[start: start + chunk] @ anchors.T
         keep[start: start + chunk] = sim.max(1).values < 0.9999 if anchors.shape[0] else True
-    return pool[keep]
+    return keep
 
 
 def encoder_cache_dir(cfg: BuildConfig, fingerprint: str, layer: int, corpus_path: Path) -> Path:
@@ -276,7 +288,17 @@ def build_operator(
     def rollouts() -> dict[str, torch.Tensor]:
         anchors = collect_states(model, tokenizer, seqs + para_seqs, layer, anchor_pos + para_pos, cfg.batch_size,
                                  "stage 3: anchor states")
-        pool = _drop_duplicates_of(_shared_negatives(model, tokenizer, layer, enc_dir, corpus, cfg), anchors.states)
+        pool = _shared_negatives(model, tokenizer, layer, enc_dir, corpus, cfg)
+        pool = pool[_not_anchors(pool, anchors.states)]
+        # what the unedited model writes after each request: negatives of every other slot
+        cont_seqs = _continued(model, tokenizer, p_ids, cfg.negative_continuation_tokens, cfg.batch_size,
+                               "stage 3: continuations of requests")
+        cont = collect_states(model, tokenizer, cont_seqs, layer, [range(len(p), len(c)) for p, c in zip(p_ids, cont_seqs)],
+                              cfg.batch_size, "stage 3: continuation negatives")
+        keep = _not_anchors(cont.states, anchors.states)
+        stream_rng = random.Random(cfg.seed + 2)
+        relation_of = {s.template: s.relation for s in slots if s.template}
+        stream_templates = list(relation_of)
         spec_seqs, spec_pos, spec_owner = [], [], []
         for i, s in enumerate(slots):
             own_prefix = list(range(len(p_ids[i]) - 1))
@@ -289,6 +311,11 @@ def build_operator(
             texts = corpus.other_relation_prompts(s.subject, group, cfg.negatives_same_subject, rng) if s.subject else []
             if template:
                 texts += corpus.other_subject_prompts(template, s.subject, cfg.negatives_same_relation, rng)
+            if s.subject and cfg.negatives_stream_templates > 0:
+                others = [t for t in stream_templates if t != template
+                          and not (s.relation and relation_of[t] == s.relation)]
+                picked = stream_rng.sample(others, min(cfg.negatives_stream_templates, len(others)))
+                texts += [t.replace("{}", s.subject) for t in picked]
             for t in texts:
                 ids = encode_prompt(tokenizer, t)
                 spec_seqs.append(ids)
@@ -298,16 +325,21 @@ def build_operator(
         owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
         report.stages["3_rollouts"] = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
                                        "edit_negatives": int(spec.states.shape[0]),
+                                       "continuation_negatives": int(keep.sum()),
                                        "paraphrase_positives": len(para_seqs),
                                        "slots_with_paraphrases": len(set(para_owner))}
         return {"anchors": anchors.states, "anchor_owner": seq_owner[anchors.owner()], "pool": pool,
-                "specific": spec.states, "specific_owner": owner}
+                "specific": spec.states, "specific_owner": owner,
+                "continuations": cont.states[keep], "continuation_owner": cont.owner()[keep]}
 
     roll = stage("3_rollouts", rollouts)
     anchors, anchor_owner = roll["anchors"], roll["anchor_owner"]
+    # anchors and request continuations are negatives of every slot but their own (and those of
+    # the same prompt, see NegativeSet.top)
     negatives = addr.NegativeSet(
-        shared=torch.cat([roll["pool"], anchors]),
-        shared_owner=torch.cat([torch.full((roll["pool"].shape[0],), -1, dtype=torch.long), anchor_owner]),
+        shared=torch.cat([roll["pool"], anchors, roll["continuations"]]),
+        shared_owner=torch.cat([torch.full((roll["pool"].shape[0],), -1, dtype=torch.long), anchor_owner,
+                                roll["continuation_owner"]]),
         specific=roll["specific"],
         specific_owner=roll["specific_owner"],
     )

@@ -230,6 +230,75 @@ def test_gates_open_on_own_requests_tiny(tmp_path):
     assert (own[separable] >= 0.9 - 1e-4).all() and (own > 0).all()
 
 
+def _rows_contain(rows, states, atol=1e-5):
+    """Whether every row of ``states`` occurs in ``rows`` (up to float noise)."""
+    return bool(((rows[None, :, :] - states[:, None, :]).abs().amax(-1) < atol).any(1).all())
+
+
+def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path):
+    """Stage 3 adds (a) the states of the unedited model's greedy continuation of each request,
+    negatives of every slot but their own, and (b) the edit's subject under the other requests'
+    templates, negatives of that edit; neither exists when switched off."""
+    from safetensors.torch import load_file
+
+    from aloe_build.states import collect_states, encode_prompt, last_token_states
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=4, negatives_stream_templates=2),
+                   out_dir=tmp_path / "on", log=None)
+    roll = load_file(str(tmp_path / "on" / "checkpoints" / "3_rollouts.safetensors"))
+    for i, e in enumerate(edits):
+        ids = encode_prompt(tok, e.prompt)
+        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=4, do_sample=False, pad_token_id=1, eos_token_id=None)[0].tolist()
+        full = gen[: gen.index(2, len(ids))] if 2 in gen[len(ids):] else gen  # cut before <eos>
+        want = collect_states(model, tok, [full], 1, [range(len(ids), len(full))]).states
+        got = roll["continuations"][roll["continuation_owner"] == i]
+        assert got.shape == want.shape and _rows_contain(got, want)
+    # slot 0's subject under slots 1 and 2's templates is a negative of slot 0, and slot 1's under
+    # slot 0's template (which no corpus template gives) one of slot 1
+    h = last_token_states(model, tok, ["The capital of Eiffel Tower is", "Eiffel Tower plays the"], 1)
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 0], h)
+    h = last_token_states(model, tok, ["The France is located in the city of"], 1)
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 1], h)
+
+    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=0, negatives_stream_templates=0),
+                   out_dir=tmp_path / "off", log=None)
+    off = load_file(str(tmp_path / "off" / "checkpoints" / "3_rollouts.safetensors"))
+    assert off["continuations"].shape[0] == 0
+    assert not _rows_contain(off["specific"], h)
+
+
+def test_continuations_stop_before_end_of_sequence():
+    """A continuation is cut before the first end-of-sequence token: a server stops there."""
+    from types import SimpleNamespace
+
+    from aloe_build.evaluate import greedy_generate
+    from aloe_build.pipeline import _continued
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompts = [tok(p)["input_ids"] for p in ("The capital of France is", "Toko Yasuda plays the")]
+    gens = greedy_generate(model, prompts, 5, pad_id=1)
+    stop = gens[0][2]  # pretend the third generated token of the first prompt ends a sequence
+    out = _continued(model, SimpleNamespace(eos_token_id=stop, pad_token_id=1), prompts, 5, 2, "t")
+    assert out[0] == prompts[0] + gens[0][: gens[0].index(stop)]
+    assert out[1] == prompts[1] + (gens[1][: gens[1].index(stop)] if stop in gens[1] else gens[1])
+    assert _continued(model, tok, prompts, 0, 2, "t") == prompts
+
+
+def test_tensors_saved_atomically(tmp_path):
+    from safetensors.torch import load_file
+
+    from aloe_build.encoder import save_tensors_atomically
+
+    t = {"states": torch.randn(5, 3)}
+    save_tensors_atomically(t, tmp_path / "x.safetensors")
+    save_tensors_atomically({"states": t["states"] * 2}, tmp_path / "x.safetensors")  # replaces in place
+    torch.testing.assert_close(load_file(str(tmp_path / "x.safetensors"))["states"], t["states"] * 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temporary left behind
+
+
 # ---------------------------------------------------------------- a real model
 
 
