@@ -51,6 +51,10 @@ class BuildConfig:
     # the corpus templates do not cover (on KnowEdit recent most locality misses were prompts
     # "The name of the <relation> of <subject> is" opening the subject's edit at " is")
     negatives_stream_templates: int = 8
+    # the edit's template filled with other subjects of the stream (the corpus subjects above are
+    # of another kind: on KnowEdit recent, slots such as "The date of birth of Waldram is" opened
+    # at " is" on prompts about the stream's other, equally obscure subjects)
+    negatives_stream_subjects: int = 8
     # Paraphrase positives: other templates of the edit's relation (mined from the construction
     # corpus) filled with the edit's subject; anchors in stages 4-5 and training sequences in stage 8.
     # Off by default: on 200 CounterFact val edits (SmolLM2, layer 22) 3 per edit moved

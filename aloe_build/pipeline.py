@@ -299,6 +299,7 @@ def build_operator(
         stream_rng = random.Random(cfg.seed + 2)
         relation_of = {s.template: s.relation for s in slots if s.template}
         stream_templates = list(relation_of)
+        stream_subjects = list(dict.fromkeys(s.subject for s in slots if s.subject))
         spec_seqs, spec_pos, spec_owner = [], [], []
         for i, s in enumerate(slots):
             own_prefix = list(range(len(p_ids[i]) - 1))
@@ -316,6 +317,10 @@ def build_operator(
                           and not (s.relation and relation_of[t] == s.relation)]
                 picked = stream_rng.sample(others, min(cfg.negatives_stream_templates, len(others)))
                 texts += [t.replace("{}", s.subject) for t in picked]
+            if template and cfg.negatives_stream_subjects > 0:
+                others = [x for x in stream_subjects if x != s.subject]
+                picked = stream_rng.sample(others, min(cfg.negatives_stream_subjects, len(others)))
+                texts += [template.replace("{}", x) for x in picked]
             for t in texts:
                 ids = encode_prompt(tokenizer, t)
                 spec_seqs.append(ids)

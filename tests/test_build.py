@@ -237,16 +237,17 @@ def _rows_contain(rows, states, atol=1e-5):
 
 def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path):
     """Stage 3 adds (a) the states of the unedited model's greedy continuation of each request,
-    negatives of every slot but their own, and (b) the edit's subject under the other requests'
-    templates, negatives of that edit; neither exists when switched off."""
+    negatives of every slot but their own, (b) the edit's subject under the other requests'
+    templates and (c) the edit's template with the other requests' subjects, negatives of that
+    edit; none exists when switched off."""
     from safetensors.torch import load_file
 
     from aloe_build.states import collect_states, encode_prompt, last_token_states
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:3]
-    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=4, negatives_stream_templates=2),
-                   out_dir=tmp_path / "on", log=None)
+    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=4, negatives_stream_templates=2,
+                                                negatives_stream_subjects=2), out_dir=tmp_path / "on", log=None)
     roll = load_file(str(tmp_path / "on" / "checkpoints" / "3_rollouts.safetensors"))
     for i, e in enumerate(edits):
         ids = encode_prompt(tok, e.prompt)
@@ -262,9 +263,11 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
     assert _rows_contain(roll["specific"][roll["specific_owner"] == 0], h)
     h = last_token_states(model, tok, ["The France is located in the city of"], 1)
     assert _rows_contain(roll["specific"][roll["specific_owner"] == 1], h)
+    # (c): slot 0's template with slot 1's subject is a negative of slot 0 too
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 0], h)
 
-    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=0, negatives_stream_templates=0),
-                   out_dir=tmp_path / "off", log=None)
+    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=0, negatives_stream_templates=0,
+                                                negatives_stream_subjects=0), out_dir=tmp_path / "off", log=None)
     off = load_file(str(tmp_path / "off" / "checkpoints" / "3_rollouts.safetensors"))
     assert off["continuations"].shape[0] == 0
     assert not _rows_contain(off["specific"], h)
