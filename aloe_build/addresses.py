@@ -54,7 +54,10 @@ class NegativeSet:
                     best_s[rows, :kk] = vals
                     best_h[rows, :kk] = self.shared[idx]
             if self.specific.shape[0]:
-                s_spec = (V[self.specific_owner] * self.specific).sum(-1)
+                # in chunks: V[owner] for every specific state would be another copy of them all
+                s_spec = torch.cat([
+                    torch.einsum("sd,sd->s", V[self.specific_owner[j: j + 16384]], self.specific[j: j + 16384])
+                    for j in range(0, self.specific.shape[0], 16384)])
                 for i in range(n):
                     sel = (self.specific_owner == i).nonzero().squeeze(1)
                     if sel.numel() == 0:

@@ -140,10 +140,12 @@ def collect_states(
     """
     device = model_device(model)
     pid = pad_id(tokenizer)
-    out: list[torch.Tensor] = []
-    counts: list[int] = []
+    keep = [list(range(len(seq))) if positions is None else list(positions[i]) for i, seq in enumerate(sequences)]
+    offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(torch.tensor([len(k) for k in keep], dtype=torch.long), 0)
+    # filled in place: collecting per-sequence pieces and concatenating would need twice the memory
+    states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a batch
-    kept: dict[int, torch.Tensor] = {}
     with capture_down_proj_input(model, layer) as box:
         for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=desc is None, leave=False):
             idx = order[start: start + batch_size]
@@ -152,16 +154,8 @@ def collect_states(
             width = inputs["input_ids"].shape[1]
             for row, i in enumerate(idx):
                 n = len(sequences[i])
-                pos = list(range(n)) if positions is None else list(positions[i])
-                cols = torch.tensor([width - n + p for p in pos], dtype=torch.long, device=h.device)
-                kept[i] = normalize_rows(h[row].index_select(0, cols)).cpu()
-    for i in range(len(sequences)):
-        out.append(kept[i])
-        counts.append(kept[i].shape[0])
-    offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.long), 0)
-    d = locate_down_proj(model, layer).d
-    states = torch.cat(out) if out else torch.zeros(0, d)
+                cols = torch.tensor([width - n + p for p in keep[i]], dtype=torch.long, device=h.device)
+                states[int(offsets[i]): int(offsets[i + 1])] = normalize_rows(h[row].index_select(0, cols)).cpu()
     return StateBatch(states, offsets)
 
 

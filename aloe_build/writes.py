@@ -98,20 +98,22 @@ def ridge_writes(
     deltas: torch.Tensor,
     anchors: torch.Tensor,
     anchor_owner: torch.Tensor,
-    negatives: torch.Tensor,
+    negatives: torch.Tensor | Sequence[torch.Tensor],
     op: AloeOperator,
     cfg: BuildConfig,
 ) -> torch.Tensor:
     """Stage 7 (paper Eq. 6): U0 = Y G+^T (G+ G+^T + lambda G- G-^T + mu I)^-1, edit-major.
 
     Column a of Y is what anchor a should receive: its own slot's gate times that slot's target.
+    ``negatives`` may be several tensors (read in place, never concatenated).
     """
     Gp = gates_of(anchors, op).double()  # (A, n)
     Y = Gp[torch.arange(len(anchor_owner)), anchor_owner][:, None] * deltas.double()[anchor_owner]  # (A, d_out)
     A = Gp.T @ Gp + cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
-    for start in range(0, negatives.shape[0], 16384):
-        Gn = gates_of(negatives[start: start + 16384], op).double()
-        A += cfg.ridge_lambda * (Gn.T @ Gn)
+    for part in [negatives] if isinstance(negatives, torch.Tensor) else negatives:
+        for start in range(0, part.shape[0], 16384):
+            Gn = gates_of(part[start: start + 16384], op).double()
+            A += cfg.ridge_lambda * (Gn.T @ Gn)
     writes = torch.linalg.solve(A, Gp.T @ Y)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")
