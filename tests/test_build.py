@@ -100,6 +100,14 @@ def test_ridge_recovers_targets_without_overlap():
     deltas = torch.randn(6, 5)
     U = ridge_writes(deltas, anchors, owner, neg.shared[:200], op, BuildConfig(ridge_mu=1e-8))
     torch.testing.assert_close(U, deltas, rtol=1e-3, atol=1e-3)
+    # negatives given in parts (never concatenated) weigh exactly as the whole: here states near
+    # the anchors, where gates are open and the preservation term pulls the writes down
+    near = _unit(anchors + 0.05 * torch.randn(anchors.shape, generator=torch.Generator().manual_seed(1)))
+    assert gates_of(near, op).max() > 0.1
+    whole = ridge_writes(deltas, anchors, owner, torch.cat([near, neg.shared]), op, BuildConfig())
+    parts = ridge_writes(deltas, anchors, owner, [near[:7], near[7:], neg.shared], op, BuildConfig())
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
+    assert whole.norm() < U.norm()
 
 
 def test_encoder_training_separates_paraphrases():
