@@ -120,12 +120,8 @@ class _Checkpoints:
     def save(self, stage: str, tensors: dict[str, torch.Tensor], **meta: Any) -> None:
         if self.root is None:
             return
-        from safetensors.torch import save_file
-
         t_path, j_path = self._paths(stage)
-        tmp = t_path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, t_path)
+        save_tensors_atomically({k: v.contiguous() for k, v in tensors.items()}, t_path)
         j_path.write_text(json.dumps({"key": self.key(stage), **meta}))
 
 
