@@ -29,7 +29,8 @@ from .data import EditRequest
 from .edited_forward import EditedForward
 from .encoder import AddressEncoder, build_encoder, cache_key, save_tensors_atomically
 from .states import collect_states, encode_prompt, encode_target, last_token_states, max_context, pad_id
-from .writes import edited_forward, finetune_writes, gates_of, produced_rows, ridge_writes, write_targets
+from .writes import (edited_forward, finetune_writes, gates_in_chunks, gates_of, produced_rows, ridge_writes,
+                     write_targets)
 
 
 class BuildError(RuntimeError):
@@ -418,15 +419,12 @@ def build_operator(
 def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives) -> dict[str, float]:
     g_anchor = gates_of(anchors, op)
     own = g_anchor[torch.arange(len(anchor_owner)), anchor_owner]
-    # negatives chunk by chunk: their dense gates (N x n) could take gigabytes
     rows = any_open = 0
     max_gate = 0.0
-    for part in negatives:
-        for start in range(0, part.shape[0], 16384):
-            g = gates_of(part[start: start + 16384], op)
-            rows += g.shape[0]
-            any_open += int((g > 0).any(1).sum())
-            max_gate = max(max_gate, float(g.max()) if g.numel() else 0.0)
+    for g in gates_in_chunks(negatives, op):
+        rows += g.shape[0]
+        any_open += int((g > 0).any(1).sum())
+        max_gate = max(max_gate, float(g.max()) if g.numel() else 0.0)
     return {
         "anchor_own_gate_median": float(own.median()),
         "anchor_own_gate_min": float(own.min()),

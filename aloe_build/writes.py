@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -94,6 +94,15 @@ def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch
     return torch.cat(out) if out else torch.zeros(0, op.n)
 
 
+def gates_in_chunks(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, chunk: int = 16384
+                    ) -> Iterator[torch.Tensor]:
+    """Gates of many states, ``chunk`` rows at a time (float32), for a tensor or several read in
+    place: the dense gates of all negatives at once (N x n) could take gigabytes."""
+    for part in [parts] if isinstance(parts, torch.Tensor) else parts:
+        for start in range(0, part.shape[0], chunk):
+            yield gates_of(part[start: start + chunk], op)
+
+
 def ridge_writes(
     deltas: torch.Tensor,
     anchors: torch.Tensor,
@@ -110,10 +119,9 @@ def ridge_writes(
     Gp = gates_of(anchors, op).double()  # (A, n)
     Y = Gp[torch.arange(len(anchor_owner)), anchor_owner][:, None] * deltas.double()[anchor_owner]  # (A, d_out)
     A = Gp.T @ Gp + cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
-    for part in [negatives] if isinstance(negatives, torch.Tensor) else negatives:
-        for start in range(0, part.shape[0], 16384):
-            Gn = gates_of(part[start: start + 16384], op).double()
-            A += cfg.ridge_lambda * (Gn.T @ Gn)
+    for Gn in gates_in_chunks(negatives, op):
+        Gn = Gn.double()
+        A += cfg.ridge_lambda * (Gn.T @ Gn)
     writes = torch.linalg.solve(A, Gp.T @ Y)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")
