@@ -37,6 +37,10 @@ class BuildConfig:
     # produced only up to here: at 8, 47 of 52 KnowEdit recent targets over 8 tokens (dates such as
     # "0850-01-01T00:00:00Z") missed; no CounterFact target and 25 of 998 zsRE ones are longer than 8
     max_target_tokens: int = 32
+    # keep as anchors the target positions whose token the unedited model already predicts from the
+    # request and the target so far (they need no write; their states are the target text's own,
+    # shared by the target quoted anywhere, e.g. KnowEdit's "<request>, which is not <target>, is")
+    anchor_predicted_targets: bool = False
     negative_pool_records: int = 800  # corpus records whose prompts (all positions) form the shared negative pool
     # Greedy continuations of this many tokens by the unedited model are appended to the pool's
     # prompts and to every request; their states are negatives too (a request's own continuation
@@ -55,6 +59,16 @@ class BuildConfig:
     # of another kind: on KnowEdit recent, slots such as "The date of birth of Waldram is" opened
     # at " is" on prompts about the stream's other, equally obscure subjects)
     negatives_stream_subjects: int = 8
+    # the edit's template with one relation word swapped for another word of the stream's or the
+    # corpus's templates, filled alternately with the edit's subject and another subject of the stream
+    # (on KnowEdit recent a few "The date of birth of <obscure name> is" slots, barely separable from
+    # their template with other subjects, opened on "The place of birth of <any name> is")
+    negatives_word_swaps: int = 8
+    # the request reworded to ask for a value other than its target ("The occupation of X, which is
+    # not <target>, is"; requests ending in is/are/was/were only), negatives of its own slot. On
+    # KnowEdit recent, whose Forgetfulness prompts take this form, 27 of 35 misses were the edit's own
+    # slot opening on the target's tokens in the clause or on the final verb
+    negatives_exclusions: int = 3
     # Paraphrase positives: other templates of the edit's relation (mined from the construction
     # corpus) filled with the edit's subject; anchors in stages 4-5 and training sequences in stage 8.
     # Off by default: on 200 CounterFact val edits (SmolLM2, layer 22) 3 per edit moved
@@ -131,6 +145,7 @@ _STAGE_OF = {
     "encoder": 1,
     "compute": 6,
     "max": 3,
+    "anchor": 3,
     "negative": 3,
     "negatives": 3,
     "positives": 3,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +104,58 @@ class Corpus:
             if s != subject:
                 out.append(template.replace("{}", s))
         return out
+
+
+# Relation words that a template can swap: lower-case words of four letters or more, less the
+# words that only change how a question is put (swapping "what" for "which" is a rewording)
+_CONTENT_WORD = re.compile(r"^[a-z]{4,}$")
+_FUNCTION_WORDS = frozenset(
+    "what which where when whom whose that this these those there their with from into onto upon "
+    "does have been being were also about".split()
+)
+
+
+def relation_words(templates: Iterable[str]) -> list[str]:
+    """The distinct content words of ``templates`` (never the ``{}`` slot), in first-seen order."""
+    seen: dict[str, None] = {}
+    for t in templates:
+        for w in t.split():
+            if _CONTENT_WORD.match(w) and w not in _FUNCTION_WORDS:
+                seen.setdefault(w, None)
+    return list(seen)
+
+
+def word_swapped_templates(template: str, words: Sequence[str], k: int, rng: random.Random) -> list[str]:
+    """Up to ``k`` distinct copies of ``template`` with one content word replaced by another of
+    ``words`` ("The date of birth of {} is" -> "The place of birth of {} is"): prompts that share
+    all of the request's phrasing but one relation word, so its address must depend on that word."""
+    tokens = template.split(" ")
+    spots = [i for i, w in enumerate(tokens) if _CONTENT_WORD.match(w) and w not in _FUNCTION_WORDS]
+    own = set(tokens)
+    pool = [w for w in words if w not in own]
+    out: dict[str, None] = {}
+    tries = 0
+    while spots and pool and len(out) < k and tries < 20 * k:
+        tries += 1
+        i = rng.choice(spots)
+        out.setdefault(" ".join(tokens[:i] + [rng.choice(pool)] + tokens[i + 1:]), None)
+    return list(out)
+
+
+# Clauses that turn a request ending in its verb into a question about a value other than the
+# target: "The occupation of X is" -> "The occupation of X, which is not <target>, is"
+EXCLUSION_CLAUSES = (", which is not {},", ", other than {},", ", apart from {},")
+_FINAL_VERBS = frozenset({"is", "are", "was", "were"})
+
+
+def exclusion_prompts(prompt: str, target: str, k: int) -> list[str]:
+    """Up to ``k`` rewordings of ``prompt`` that ask for something other than ``target`` (empty
+    unless the prompt ends in is/are/was/were): they hold the request's subject, relation and
+    even the target's own tokens, yet the edit must not fire on them."""
+    head, sep, last = prompt.rpartition(" ")
+    if not sep or last not in _FINAL_VERBS or not head:
+        return []
+    return [f"{head}{clause.format(target)} {last}" for clause in EXCLUSION_CLAUSES[: max(k, 0)]]
 
 
 def load_corpus(path: str | os.PathLike | None, limit: int, same_subject: int, seed: int) -> tuple[Corpus, Path]:

@@ -24,7 +24,7 @@ from aloe_kernels.hf import locate_down_proj
 
 from . import addresses as addr
 from .config import BuildConfig
-from .corpus import Corpus, load_corpus
+from .corpus import Corpus, exclusion_prompts, load_corpus, relation_words, word_swapped_templates
 from .data import EditRequest
 from .edited_forward import EditedForward
 from .encoder import AddressEncoder, build_encoder, cache_key, save_tensors_atomically
@@ -156,6 +156,25 @@ def _continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_si
     return [list(p) + (g[: g.index(eos)] if eos in g else g) for p, g in zip(prompts, gens)]
 
 
+def _anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[list[int]], cap: int,
+                      keep_predicted: bool, batch_size: int) -> list[list[int]]:
+    """Positions along each target whose states are the slot's anchors: the last prompt token
+    (it predicts the first target token), then each position predicting a further target token
+    within ``cap``. Unless ``keep_predicted``, a further position is left out when the unedited
+    model already predicts its target token from the request and the target so far: it needs no
+    write, and its state is the target text's own ("Knight's Cross" after "Knight"), which the
+    target in any other context shares."""
+    spans = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cap))) for p, t in zip(prompts, targets)]
+    if keep_predicted or not prompts:
+        return spans
+    from .evaluate import teacher_forced
+
+    res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts, targets)], pad_id=pad_id(tokenizer),
+                         batch_size=batch_size, progress=True, desc="stage 3: target tokens already predicted")
+    return [[pos for k, pos in enumerate(span) if k == 0 or r.preds[k] != t[k]]
+            for span, t, r in zip(spans, targets, res)]
+
+
 def _shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
     """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
     and of their greedy continuations: negatives for every edit. They depend only on the model,
@@ -258,7 +277,6 @@ def build_operator(
     p_ids = [encode_prompt(tokenizer, s.prompt) for s in slots]
     t_ids = [encode_target(tokenizer, s.target) for s in slots]
     seqs = [p + t for p, t in zip(p_ids, t_ids)]
-    anchor_pos = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cfg.max_target_tokens))) for p, t in zip(p_ids, t_ids)]
     same_prompt = torch.tensor([[a.prompt == b.prompt for b in slots] for a in slots])
     # Paraphrase positives from construction data: other templates of each request's relation,
     # filled with its subject, followed by its target (own generator: fixed whatever else runs).
@@ -270,8 +288,6 @@ def build_operator(
                 para_prompt_ids.append(encode_prompt(tokenizer, text))
                 para_owner.append(i)
     para_seqs = [p + t_ids[i] for p, i in zip(para_prompt_ids, para_owner)]
-    para_pos = [list(range(len(p) - 1, len(p) - 1 + min(len(t_ids[i]), cfg.max_target_tokens)))
-                for p, i in zip(para_prompt_ids, para_owner)]
     seq_owner = torch.tensor(list(range(n)) + para_owner, dtype=torch.long)  # slot of each anchor sequence
 
     # (2) initial addresses from the request states
@@ -283,7 +299,9 @@ def build_operator(
 
     # (3) rollouts: anchors H+ and negatives H-
     def rollouts() -> dict[str, torch.Tensor]:
-        anchors = collect_states(model, tokenizer, seqs + para_seqs, layer, anchor_pos + para_pos, cfg.batch_size,
+        anchor_pos = _anchor_positions(model, tokenizer, p_ids + para_prompt_ids, t_ids + [t_ids[i] for i in para_owner],
+                                       cfg.max_target_tokens, cfg.anchor_predicted_targets, cfg.batch_size)
+        anchors = collect_states(model, tokenizer, seqs + para_seqs, layer, anchor_pos, cfg.batch_size,
                                  "stage 3: anchor states")
         pool = _shared_negatives(model, tokenizer, layer, enc_dir, corpus, cfg)
         pool = pool[_not_anchors(pool, anchors.states)]
@@ -297,6 +315,7 @@ def build_operator(
         relation_of = {s.template: s.relation for s in slots if s.template}
         stream_templates = list(relation_of)
         stream_subjects = list(dict.fromkeys(s.subject for s in slots if s.subject))
+        swap_words = relation_words(stream_templates + list(corpus.group_of_template))
         spec_seqs, spec_pos, spec_owner = [], [], []
         for i, s in enumerate(slots):
             own_prefix = list(range(len(p_ids[i]) - 1))
@@ -318,6 +337,12 @@ def build_operator(
                 others = [x for x in stream_subjects if x != s.subject]
                 picked = stream_rng.sample(others, min(cfg.negatives_stream_subjects, len(others)))
                 texts += [template.replace("{}", x) for x in picked]
+            if template and cfg.negatives_word_swaps > 0:
+                swapped = word_swapped_templates(template, swap_words, cfg.negatives_word_swaps, stream_rng)
+                others = [x for x in stream_subjects if x != s.subject]
+                texts += [t.replace("{}", s.subject if j % 2 == 0 or not others else stream_rng.choice(others))
+                          for j, t in enumerate(swapped)]
+            texts += exclusion_prompts(s.prompt, s.target, cfg.negatives_exclusions)
             for t in texts:
                 ids = encode_prompt(tokenizer, t)
                 spec_seqs.append(ids)

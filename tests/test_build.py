@@ -246,16 +246,20 @@ def _rows_contain(rows, states, atol=1e-5):
 def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path):
     """Stage 3 adds (a) the states of the unedited model's greedy continuation of each request,
     negatives of every slot but their own, (b) the edit's subject under the other requests'
-    templates and (c) the edit's template with the other requests' subjects, negatives of that
-    edit; none exists when switched off."""
+    templates, (c) the edit's template with the other requests' subjects and (d) the edit's template
+    with one relation word swapped and (e) the request asking for anything but its target, negatives
+    of that edit; none exists when switched off."""
     from safetensors.torch import load_file
 
+    from aloe_build.corpus import load_corpus, relation_words
     from aloe_build.states import collect_states, encode_prompt, last_token_states
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:3]
     build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=4, negatives_stream_templates=2,
-                                                negatives_stream_subjects=2), out_dir=tmp_path / "on", log=None)
+                                                negatives_stream_subjects=2, negatives_word_swaps=4,
+                                                negatives_exclusions=1),
+                   out_dir=tmp_path / "on", log=None)
     roll = load_file(str(tmp_path / "on" / "checkpoints" / "3_rollouts.safetensors"))
     for i, e in enumerate(edits):
         ids = encode_prompt(tok, e.prompt)
@@ -274,11 +278,33 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
     # (c): slot 0's template with slot 1's subject is a negative of slot 0 too
     assert _rows_contain(roll["specific"][roll["specific_owner"] == 0], h)
 
+    # (d): slot 0's template with one relation word swapped ("located" or "city" for another word
+    # of the stream's or the corpus's templates), filled with its own or another stream subject
+    corpus = load_corpus(_tiny_cfg(tmp_path).encoder_corpus, 40, 2, 0)[0]
+    words = relation_words([e.template for e in edits] + list(corpus.group_of_template))
+    template = edits[0].template
+    swapped = [template.replace(w, x).replace("{}", subj) for w in ("located", "city") for x in words
+               if x not in template.split() for subj in ("Eiffel Tower", "France", "Toko Yasuda")]
+    h_swap = last_token_states(model, tok, swapped, 1)
+
+    def swaps_among_negatives(roll) -> int:
+        spec = roll["specific"][roll["specific_owner"] == 0]
+        return sum(_rows_contain(spec, h_swap[j:j + 1]) for j in range(len(swapped)))
+
+    assert 1 <= swaps_among_negatives(roll) <= 4
+    # (e): slot 1's request asking for anything but its target is a negative of slot 1 alone
+    h_excl = last_token_states(model, tok, ["The capital of France, which is not Rome, is"], 1)
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 1], h_excl)
+    assert not _rows_contain(roll["specific"][roll["specific_owner"] != 1], h_excl)
+
     build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=0, negatives_stream_templates=0,
-                                                negatives_stream_subjects=0), out_dir=tmp_path / "off", log=None)
+                                                negatives_stream_subjects=0, negatives_word_swaps=0),
+                   out_dir=tmp_path / "off", log=None)
     off = load_file(str(tmp_path / "off" / "checkpoints" / "3_rollouts.safetensors"))
     assert off["continuations"].shape[0] == 0
     assert not _rows_contain(off["specific"], h)
+    assert swaps_among_negatives(off) == 0
+    assert not _rows_contain(off["specific"], h_excl)
 
 
 def test_continuations_stop_before_end_of_sequence():
@@ -469,3 +495,28 @@ def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():
     assert all(produced_rows(fwd_done, U, range(len(done)), 4))
     U2, losses = finetune_writes(fwd_done, U, BuildConfig(finetune_steps=10, finetune_rescore_every=5))
     assert losses == [] and torch.equal(U2, U)
+
+
+def test_anchor_positions_leave_out_target_tokens_the_model_predicts():
+    """Anchors are the last prompt token, then only the positions whose next target token the
+    unedited model does not already predict (checked against a plain forward of each sequence)."""
+    from aloe_build.pipeline import _anchor_positions
+    from aloe_build.states import encode_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompts = [encode_prompt(tok, e.prompt) for e in _edits()[:3]]
+    # targets: the model's own greedy continuation (all predicted) with one token changed
+    gens = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=5,
+                           do_sample=False, pad_token_id=1, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    targets = [gens[0], gens[1][:2] + [(gens[1][2] + 1) % 100 + 3] + gens[1][3:], [(gens[2][0] + 1) % 100 + 3] + gens[2][1:]]
+    got = _anchor_positions(model, tok, prompts, targets, 4, False, 2)
+    for p, t, pos in zip(prompts, targets, got):
+        with torch.no_grad():
+            pred = model(torch.tensor([p + t])).logits[0].argmax(-1).tolist()
+        want = [len(p) - 1] + [len(p) - 1 + k for k in range(1, 4) if pred[len(p) - 1 + k] != t[k]]
+        assert pos == want
+    assert got[0] == [len(prompts[0]) - 1]  # the model's own continuation needs only the first anchor
+    assert len(prompts[1]) + 1 in got[1]  # the changed third token is not predicted
+    assert _anchor_positions(model, tok, prompts, targets, 4, True, 2) == [
+        list(range(len(p) - 1, len(p) + 3)) for p in prompts]
+    assert _anchor_positions(model, tok, prompts, targets, 2, False, 2)[1] == [len(prompts[1]) - 1]
