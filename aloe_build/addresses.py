@@ -58,8 +58,11 @@ class NegativeSet:
                 s_spec = torch.cat([
                     torch.einsum("sd,sd->s", V[self.specific_owner[j: j + 16384]], self.specific[j: j + 16384])
                     for j in range(0, self.specific.shape[0], 16384)])
+                # each slot's own states by one sort, not a scan of all of them per slot
+                order = torch.argsort(self.specific_owner, stable=True)
+                ends = torch.bincount(self.specific_owner, minlength=n).cumsum(0).tolist()
                 for i in range(n):
-                    sel = (self.specific_owner == i).nonzero().squeeze(1)
+                    sel = order[(ends[i - 1] if i else 0): ends[i]]
                     if sel.numel() == 0:
                         continue
                     cand_s = torch.cat([best_s[i], s_spec[sel]])

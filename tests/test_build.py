@@ -36,6 +36,27 @@ def _synthetic(n=6, d=24, anchors_per=3, negs=200, seed=0):
     return V0, anchors, owner, neg, torch.eye(n, dtype=torch.bool)
 
 
+def test_negative_top_matches_brute_force():
+    """NegativeSet.top against a per-slot brute force: specific states in shuffled owner order, a
+    slot with none, anchors of the slot itself and of a same-prompt slot excluded."""
+    g = torch.Generator().manual_seed(3)
+    n, d, k = 5, 16, 4
+    V = torch.randn(n, d, generator=g)
+    shared = _unit(torch.randn(40, d, generator=g))
+    shared_owner = torch.cat([torch.full((30,), -1), torch.arange(n).repeat(2)])
+    specific = _unit(torch.randn(23, d, generator=g))
+    specific_owner = torch.tensor([0, 2, 4, 1] * 5 + [2, 0, 4])[torch.randperm(23, generator=g)]  # slot 3 has none
+    same = torch.eye(n, dtype=torch.bool)
+    same[0, 1] = same[1, 0] = True
+    got_s, got_h = addr.NegativeSet(shared, shared_owner, specific, specific_owner).top(V, same, k, chunk=2)
+    for i in range(n):
+        ok = (shared_owner < 0) | ~same[i, shared_owner.clamp_min(0)]
+        cand = torch.cat([shared[ok], specific[specific_owner == i]])
+        want = (cand @ V[i]).topk(k).values
+        torch.testing.assert_close(got_s[i], want)
+        torch.testing.assert_close(got_h[i] @ V[i], want)
+
+
 def test_refinement_loss_falls_and_norms_kept():
     V0, anchors, owner, neg, same = _synthetic()
     cfg = BuildConfig(refine_steps=300, refine_remine_every=50, refine_hard_negatives=8)
