@@ -20,6 +20,7 @@ import json
 import os
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,17 +33,22 @@ from .corpus import CORPUS_VERSION, Corpus
 from .states import last_token_states
 
 
-def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """Write a safetensors file under a private temporary name, then rename it into place:
+def write_atomically(file: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` under a private temporary name beside ``file``, then rename it into place:
     concurrent builds sharing a cache never read a partial file nor clobber each other's."""
-    from safetensors.torch import save_file
-
     tmp = file.parent / f".{file.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        save_file(tensors, str(tmp))
+        write(tmp)
         os.replace(tmp, file)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A safetensors file written through :func:`write_atomically`."""
+    from safetensors.torch import save_file
+
+    write_atomically(file, lambda tmp: save_file(tensors, str(tmp)))
 
 
 @dataclass
@@ -71,9 +77,7 @@ class AddressEncoder:
         """Atomically, metrics first: a build that finds encoder.safetensors finds a whole encoder,
         even while another build is writing the same cache entry."""
         path.mkdir(parents=True, exist_ok=True)
-        tmp = path / f".encoder.json.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps(metrics, indent=1))
-        os.replace(tmp, path / "encoder.json")
+        write_atomically(path / "encoder.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
         save_tensors_atomically({"Q": self.Q.contiguous(), "K": self.K.contiguous(), "log_c": self.log_c.reshape(1)},
                                 path / "encoder.safetensors")
 

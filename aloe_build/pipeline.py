@@ -27,7 +27,7 @@ from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, load_corpus, relation_words, word_swapped_templates
 from .data import EditRequest
 from .edited_forward import EditedForward
-from .encoder import AddressEncoder, build_encoder, cache_key, save_tensors_atomically
+from .encoder import AddressEncoder, build_encoder, cache_key, save_tensors_atomically, write_atomically
 from .states import collect_states, encode_prompt, encode_target, last_token_states, max_context, pad_id
 from .writes import (edited_forward, finetune_writes, gates_in_chunks, gates_of, produced_rows, ridge_writes,
                      write_targets)
@@ -123,7 +123,8 @@ class _Checkpoints:
             return
         t_path, j_path = self._paths(stage)
         save_tensors_atomically({k: v.contiguous() for k, v in tensors.items()}, t_path)
-        j_path.write_text(json.dumps({"key": self.key(stage), **meta}))
+        text = json.dumps({"key": self.key(stage), **meta})
+        write_atomically(j_path, lambda tmp: tmp.write_text(text))
 
 
 def _run_key(requests: Sequence[EditRequest], fingerprint: str, layer: int) -> str:

@@ -356,6 +356,19 @@ def test_tensors_saved_atomically(tmp_path):
     torch.testing.assert_close(load_file(str(tmp_path / "x.safetensors"))["states"], t["states"] * 2)
     assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temporary left behind
 
+    from aloe_build.encoder import write_atomically
+
+    (tmp_path / "x.json").write_text("{}")
+
+    def fails_midway(tmp):
+        tmp.write_text('{"key": ')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(tmp_path / "x.json", fails_midway)
+    assert (tmp_path / "x.json").read_text() == "{}"  # the old file intact, no partial one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json", "x.safetensors"]
+
 
 # ---------------------------------------------------------------- a real model
 
