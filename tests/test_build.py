@@ -319,7 +319,8 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
     assert not _rows_contain(roll["specific"][roll["specific_owner"] != 1], h_excl)
 
     build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=0, negatives_stream_templates=0,
-                                                negatives_stream_subjects=0, negatives_word_swaps=0),
+                                                negatives_stream_subjects=0, negatives_word_swaps=0,
+                                                negatives_exclusions=0),
                    out_dir=tmp_path / "off", log=None)
     off = load_file(str(tmp_path / "off" / "checkpoints" / "3_rollouts.safetensors"))
     assert off["continuations"].shape[0] == 0
