@@ -115,12 +115,16 @@ _FUNCTION_WORDS = frozenset(
 )
 
 
+def _is_relation_word(word: str) -> bool:
+    return bool(_CONTENT_WORD.match(word)) and word not in _FUNCTION_WORDS
+
+
 def relation_words(templates: Iterable[str]) -> list[str]:
     """The distinct content words of ``templates`` (never the ``{}`` slot), in first-seen order."""
     seen: dict[str, None] = {}
     for t in templates:
         for w in t.split():
-            if _CONTENT_WORD.match(w) and w not in _FUNCTION_WORDS:
+            if _is_relation_word(w):
                 seen.setdefault(w, None)
     return list(seen)
 
@@ -130,7 +134,7 @@ def word_swapped_templates(template: str, words: Sequence[str], k: int, rng: ran
     ``words`` ("The date of birth of {} is" -> "The place of birth of {} is"): prompts that share
     all of the request's phrasing but one relation word, so its address must depend on that word."""
     tokens = template.split(" ")
-    spots = [i for i, w in enumerate(tokens) if _CONTENT_WORD.match(w) and w not in _FUNCTION_WORDS]
+    spots = [i for i, w in enumerate(tokens) if _is_relation_word(w)]
     own = set(tokens)
     pool = [w for w in words if w not in own]
     out: dict[str, None] = {}

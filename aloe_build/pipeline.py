@@ -334,15 +334,14 @@ def build_operator(
                           and not (s.relation and relation_of[t] == s.relation)]
                 picked = stream_rng.sample(others, min(cfg.negatives_stream_templates, len(others)))
                 texts += [t.replace("{}", s.subject) for t in picked]
+            other_subjects = [x for x in stream_subjects if x != s.subject]
             if template and cfg.negatives_stream_subjects > 0:
-                others = [x for x in stream_subjects if x != s.subject]
-                picked = stream_rng.sample(others, min(cfg.negatives_stream_subjects, len(others)))
+                picked = stream_rng.sample(other_subjects, min(cfg.negatives_stream_subjects, len(other_subjects)))
                 texts += [template.replace("{}", x) for x in picked]
             if template and cfg.negatives_word_swaps > 0:
                 swapped = word_swapped_templates(template, swap_words, cfg.negatives_word_swaps, stream_rng)
-                others = [x for x in stream_subjects if x != s.subject]
-                texts += [t.replace("{}", s.subject if j % 2 == 0 or not others else stream_rng.choice(others))
-                          for j, t in enumerate(swapped)]
+                texts += [t.replace("{}", s.subject if j % 2 == 0 or not other_subjects
+                                    else stream_rng.choice(other_subjects)) for j, t in enumerate(swapped)]
             texts += exclusion_prompts(s.prompt, s.target, cfg.negatives_exclusions)
             for t in texts:
                 ids = encode_prompt(tokenizer, t)
