@@ -86,9 +86,20 @@ def refine_addresses(
     negatives: NegativeSet,
     same_prompt: torch.Tensor,
     cfg: BuildConfig,
+    soft: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
-    """Paper Eq. 5 with hard-negative re-mining; returns refined addresses and the loss curve."""
+    """Paper Eq. 5 with hard-negative re-mining; returns refined addresses and the loss curve.
+
+    ``soft`` marks anchors that are wished for rather than required (paraphrases built from
+    construction data): they do not enter the worst-anchor hinge; each adds its own squared hinge,
+    weighted by ``refine_soft_weight`` and averaged, that turns the address towards it during the
+    first two thirds of the steps; the last third restores the required anchors' margin."""
+    soft = torch.zeros(anchors.shape[0], dtype=torch.bool) if soft is None else soft
+    hard_a, hard_own = anchors[~soft], anchor_owner[~soft]
+    soft_a, soft_own = anchors[soft], anchor_owner[soft]
     norms = V0.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    soft_phase = bool(soft_own.numel()) and cfg.refine_soft_weight > 0
+    soft_steps = (2 * cfg.refine_steps) // 3
     V = V0.clone().requires_grad_(True)
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0)
     margin = cfg.refine_margin * norms.squeeze(1)
@@ -96,12 +107,19 @@ def refine_addresses(
     hard_h = None
     bar = tqdm(range(cfg.refine_steps), desc="stage 4: address refinement", leave=False)
     for step in bar:
-        if hard_h is None or step % cfg.refine_remine_every == 0:
+        # the last third runs on the required anchors alone, from freshly mined negatives: it
+        # restores the request's margin wherever the pull towards the paraphrases cost it
+        soft_now = soft_phase and step < soft_steps
+        if hard_h is None or step % cfg.refine_remine_every == 0 or (soft_phase and step == soft_steps):
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
-        pos = min_anchor_scores(V, anchors, anchor_owner)
+        pos = min_anchor_scores(V, hard_a, hard_own)
         neg = torch.einsum("nkd,nd->nk", hard_h, V).max(1).values
         hinge = F.relu(margin - pos + neg)
         loss = (hinge**2).mean()
+        if soft_now:
+            s_soft = (V[soft_own] * soft_a).sum(-1)
+            soft_hinge = F.relu(margin[soft_own] - s_soft + neg[soft_own])
+            loss = loss + cfg.refine_soft_weight * (soft_hinge**2).mean()
         if cfg.refine_anchor_keep:
             loss = loss + cfg.refine_anchor_keep * ((V - V0) ** 2).sum(1).div(norms.squeeze(1) ** 2).mean()
         if not torch.isfinite(loss):
@@ -110,7 +128,7 @@ def refine_addresses(
         if losses[-1] == 0.0 and step % cfg.refine_remine_every != 0:
             # every slot clears its margin against the mined negatives: re-mine to confirm
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
-            if float(F.relu(margin - pos + torch.einsum("nkd,nd->nk", hard_h, V).max(1).values).max()) == 0.0:
+            if float(F.relu(margin - pos + torch.einsum("nkd,nd->nk", hard_h, V).max(1).values).detach().max()) == 0.0:
                 break
         opt.zero_grad()
         loss.backward()
@@ -143,13 +161,26 @@ def calibrate(
     same_prompt: torch.Tensor,
     gate_eps: float,
     cfg: BuildConfig,
+    soft: torch.Tensor | None = None,
 ) -> Calibration:
-    """Stage 5: thresholds and temperatures from the worst anchor and the worst negative of each slot."""
+    """Stage 5: thresholds and temperatures from the worst anchor and the worst negative of each slot.
+
+    Anchors marked ``soft`` count only where they clear the slot's worst negative by at least
+    ``calibration_soft_floor`` of its required anchors' gap: a paraphrase that the address cannot
+    separate from a negative is left out rather than opening the gate on that negative."""
     if not 0.0 < cfg.calibration_open_at <= 1.0:
         raise ValueError(f"calibration_open_at must be in (0, 1], got {cfg.calibration_open_at}")
+    soft = torch.zeros(anchors.shape[0], dtype=torch.bool) if soft is None else soft
+    anchors, anchor_owner, soft_a, soft_own = anchors[~soft], anchor_owner[~soft], anchors[soft], anchor_owner[soft]
     s_pos = min_anchor_scores(V, anchors, anchor_owner)
     hard_s, hard_h = negatives.top(V, same_prompt, cfg.refine_hard_negatives)
     s_neg = hard_s[:, 0]
+    if soft_own.numel():
+        s_soft = (V[soft_own] * soft_a).sum(-1)
+        floor = s_neg + cfg.calibration_soft_floor * (s_pos - s_neg)
+        counted = (s_soft >= floor[soft_own]) & (s_pos > s_neg)[soft_own]
+        s_pos = torch.minimum(s_pos, min_anchor_scores(V, soft_a[counted], soft_own[counted])
+                              if counted.any() else torch.full_like(s_pos, math.inf))
     norms = V.norm(dim=1).clamp_min(1e-12)
     p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
     z_pos = _logit(p_open)

@@ -70,10 +70,17 @@ class BuildConfig:
     # slot opening on the target's tokens in the clause or on the final verb
     negatives_exclusions: int = 3
     # Paraphrase positives: other templates of the edit's relation (mined from the construction
-    # corpus) filled with the edit's subject; anchors in stages 4-5 and training sequences in stage 8.
-    # Off by default: on 200 CounterFact val edits (SmolLM2, layer 22) 3 per edit moved
-    # Eff/Gen/Loc from 1.000/0.015/0.985 to 0.975/0.050/0.965, below the locality floor.
+    # corpus) filled with the edit's subject; soft anchors in stages 4-5 (see refine_soft_weight,
+    # calibration_soft_floor) and, where their gate opens, training sequences in stages 6-8.
+    # Off by default: on 200 CounterFact val edits (SmolLM2, layer 22; with 3 prefixed positives)
+    # 8 per edit moved Eff/Gen/Loc from 1.000/0.015/0.980 to 1.000/0.090/0.945, below the locality floor.
     positives_same_relation: int = 0
+    # Context positives: the request after this many true statements of the construction corpus
+    # ("The mother tongue of Danielle Darrieux is French. <request>"), required anchors at the last
+    # prompt token. Without them one unrelated sentence before a request shut the edit's gate: on
+    # 200 CounterFact val edits, requests after sentences the build never saw gave the target
+    # 0.128 of the time with none, 0.505 with 4 and 0.595 with 8 (locality 0.990, 0.985, 0.980)
+    positives_prefixed: int = 4
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = 3000
@@ -82,6 +89,9 @@ class BuildConfig:
     refine_hard_negatives: int = 32  # negatives per edit kept between re-minings
     refine_remine_every: int = 250
     refine_anchor_keep: float = 0.0  # pull towards the initial address (0 = the paper's loss alone)
+    # weight of the paraphrase positives' own hinges (they stay out of the worst-anchor term, so
+    # that a paraphrase the address cannot reach never makes its slot inseparable)
+    refine_soft_weight: float = 1.0
 
     # (5) calibration
     open_gate: float = 0.9  # gate of the worst positive of a separable slot
@@ -91,6 +101,10 @@ class BuildConfig:
     # locality for generalization; on 200 CounterFact val edits (SmolLM2, layer 22) Eff/Gen/Loc were
     # 1.000/0.015/0.985 at 1.0, 1.000/0.075/0.955 at 0.5 and 0.995/0.125/0.870 at 0.3.
     calibration_open_at: float = 1.0
+    # a paraphrase positive sets where its gate reaches open_gate only if it clears the worst
+    # negative by at least this fraction of the gap between the worst negative and the worst
+    # request anchor (closer ones would need a gate steep enough to open on near-negatives)
+    calibration_soft_floor: float = 0.5
     inseparable_temperature: float = 8.0  # initial alpha of inseparable slots (per unit |v|)
     calibration_steps: int = 200
 

@@ -65,6 +65,9 @@ class Corpus:
             )
         self.group_of_template = {t: g for g, ts in self.templates.items() for t in ts}
         self.subjects = sorted({r.subject for r in self.records})
+        # true statements of the corpus ("The mother tongue of Danielle Darrieux is French."): text
+        # that can stand before a request the way a conversation or a document would
+        self.statements = [f"{r.prompt} {r.ground_truth[0]}." for r in self.records if r.ground_truth]
         rng = random.Random(seed)
         groups = list(self.templates)
         self.items: list[CorpusItem] = []
@@ -95,6 +98,12 @@ class Corpus:
         group = self.group_of_template.get(template)
         others = [t for t in self.templates.get(group, []) if t != template] if group is not None else []
         return [t.replace("{}", subject) for t in rng.sample(others, min(k, len(others)))]
+
+    def prefixed_prompts(self, prompt: str, k: int, rng: random.Random) -> list[str]:
+        """``prompt`` after ``k`` different corpus statements ("<statement> <prompt>"): the request
+        in context, which must still reach the edit (empty when the corpus has no ground truths)."""
+        picked = rng.sample(self.statements, min(k, len(self.statements)))
+        return [f"{statement} {prompt}" for statement in picked]
 
     def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:
         """``template`` filled with ``k`` other corpus subjects (same relation, other subject)."""

@@ -100,6 +100,42 @@ def test_calibration_open_at_opens_wider_and_keeps_negatives_closed():
         addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.0))
 
 
+def test_soft_anchors_turn_addresses_but_never_make_a_slot_inseparable():
+    """Soft (paraphrase) anchors: one equal to a negative of its slot leaves the slot separable, its
+    request anchors at 0.9 and every negative at exactly 0; one reachable well above the worst
+    negative is where the gate reaches 0.9 instead, and refinement raises its score."""
+    V0, anchors, owner, neg, same = _synthetic()
+    g = torch.Generator().manual_seed(1)
+    far = _unit(torch.randn(6, anchors.shape[1], generator=g))  # unrelated directions: hard to reach
+    unreachable = neg.specific[2:3]  # a negative of slot 2 itself
+    soft_states = torch.cat([anchors, far, unreachable])
+    soft_owner = torch.cat([owner, torch.arange(6), torch.tensor([2])])
+    soft = torch.cat([torch.zeros(len(owner), dtype=torch.bool), torch.ones(7, dtype=torch.bool)])
+    cfg = BuildConfig(refine_steps=400, refine_hard_negatives=8)
+    V_hard, _ = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
+    V, _ = addr.refine_addresses(V0, soft_states, soft_owner, neg, same, cfg, soft)
+    # the soft hinges turn the addresses towards their far paraphrases (a slot whose request
+    # anchors never clear their margin is left as the required anchors alone make it)
+    gain = (V * far).sum(1) - (V_hard * far).sum(1)
+    assert (gain >= -1e-6).all() and int((gain > 0.1).sum()) >= 4
+    cal = addr.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig(), soft)
+    assert cal.separable.all()
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
+    for i in range(6):
+        negatives = torch.cat([neg.shared[neg.shared_owner != i], neg.specific[neg.specific_owner == i]])
+        assert gates_of(negatives, op)[:, i].max() == 0.0
+    g_req = gates_of(anchors, op)[torch.arange(len(owner)), owner]
+    assert g_req.min() >= 0.9 - 1e-4
+    assert gates_of(unreachable, op)[0, 2] == 0.0
+    # the 0.9 point is the worst of the request anchors and the soft anchors that clear the floor
+    s_req = addr.min_anchor_scores(V, anchors, owner)
+    s_far = (V * far).sum(1)
+    floor = cal.worst_negative + BuildConfig().calibration_soft_floor * (s_req - cal.worst_negative)
+    torch.testing.assert_close(cal.worst_positive, torch.where(s_far >= floor, torch.minimum(s_req, s_far), s_req))
+    # with every anchor required, slot 2 could not be separated
+    assert not bool(addr.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig()).separable[2])
+
+
 def test_calibration_inseparable_slot_is_finite_and_balanced():
     V0, anchors, owner, neg, same = _synthetic(n=2)
     # make slot 0 inseparable: one of its specific negatives equals an anchor
@@ -160,6 +196,7 @@ def _tiny_corpus(path):
     for i, s in enumerate(_SUBJECTS):
         for j, t in enumerate(_TEMPLATES):
             records.append(EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
+                                       ground_truth=_WORDS[(i + j + 1) % len(_WORDS)],
                                        rephrases=("the " + t.replace("{}", s),),
                                        locality=(_TEMPLATES[j].replace("{}", _SUBJECTS[(i + 3) % 10]),),
                                        id=f"c{i}-{j}"))
@@ -327,6 +364,29 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
     assert not _rows_contain(off["specific"], h)
     assert swaps_among_negatives(off) == 0
     assert not _rows_contain(off["specific"], h_excl)
+
+
+def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
+    """With ``positives_prefixed`` = k, each slot's anchors include the last-token states of its
+    request after k distinct corpus statements, and only its own; none when switched off."""
+    from safetensors.torch import load_file
+
+    from aloe_build.corpus import load_corpus
+    from aloe_build.states import last_token_states
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    statements = load_corpus(_tiny_cfg(tmp_path).encoder_corpus, 40, 2, 0)[0].statements
+    for k in (2, 0):
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_prefixed=k), out_dir=tmp_path / f"k{k}", log=None)
+        roll = load_file(str(tmp_path / f"k{k}" / "checkpoints" / "3_rollouts.safetensors"))
+        report = json.loads((tmp_path / f"k{k}" / "build_report.json").read_text())
+        assert report["stages"]["3_rollouts"]["paraphrase_positives"] == k * len(edits)
+        for i, e in enumerate(edits):
+            h = last_token_states(model, tok, [f"{st} {e.prompt}" for st in statements], 1)
+            found = [j for j in range(len(statements)) if _rows_contain(roll["anchors"], h[j:j + 1])]
+            own = [j for j in found if _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h[j:j + 1])]
+            assert len(found) == len(own) == k
 
 
 def test_continuations_stop_before_end_of_sequence():

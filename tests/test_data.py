@@ -648,3 +648,20 @@ def test_exclusion_prompts() -> None:
     assert exclusion_prompts("What is the capital of France?", "Rome", 3) == []
     assert exclusion_prompts("Toko Yasuda plays the", "piano", 3) == []
     assert exclusion_prompts("is", "Rome", 3) == []
+
+
+def test_prefixed_prompts_put_distinct_true_corpus_statements_before_the_request() -> None:
+    """Each variant is one corpus record's prompt with its ground truth, a full stop, then the request."""
+    import random
+
+    from aloe_build.corpus import load_corpus
+
+    corpus = load_corpus(None, 60, 2, 0)[0]
+    truths = {f"{r.prompt} {r.ground_truth[0]}." for r in corpus.records if r.ground_truth}
+    got = corpus.prefixed_prompts("The capital of France is", 5, random.Random(0))
+    assert len(got) == len(set(got)) == 5
+    for text in got:
+        statement, sep, rest = text.partition(". ")
+        assert sep and rest == "The capital of France is" and statement + "." in truths
+    assert corpus.prefixed_prompts("The capital of France is", 0, random.Random(0)) == []
+    assert len(corpus.prefixed_prompts("x", 10_000, random.Random(0))) == len(corpus.statements)
