@@ -368,7 +368,8 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
 
 def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
     """With ``positives_prefixed`` = k, each slot's anchors include the last-token states of its
-    request after k distinct corpus statements, and only its own; none when switched off."""
+    request after k distinct corpus statements, and only its own; none when switched off. They are
+    not training sequences of the write stages."""
     from safetensors.torch import load_file
 
     from aloe_build.corpus import load_corpus
@@ -382,11 +383,59 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
         roll = load_file(str(tmp_path / f"k{k}" / "checkpoints" / "3_rollouts.safetensors"))
         report = json.loads((tmp_path / f"k{k}" / "build_report.json").read_text())
         assert report["stages"]["3_rollouts"]["paraphrase_positives"] == k * len(edits)
+        assert report["stages"]["8_finetune"]["paraphrase_sequences"] == 0  # the request's write carries
         for i, e in enumerate(edits):
             h = last_token_states(model, tok, [f"{st} {e.prompt}" for st in statements], 1)
             found = [j for j in range(len(statements)) if _rows_contain(roll["anchors"], h[j:j + 1])]
             own = [j for j in found if _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h[j:j + 1])]
             assert len(found) == len(own) == k
+
+
+def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
+    """Same-relation positives: the write stages train on exactly the rewordings whose own gate is
+    at least 0.5 at their last prompt token (their first anchor), scored with the built operator."""
+    from safetensors.torch import load_file
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    # a corpus whose records carry relation ids, two templates per relation
+    relation = {t: f"P{j // 2}" for j, t in enumerate(_TEMPLATES)}
+    records = [EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
+                           rephrases=("the " + t.replace("{}", s),), relation=relation[t],
+                           locality=(t.replace("{}", _SUBJECTS[(i + 3) % 10]),), id=f"c{i}-{j}")
+               for i, s in enumerate(_SUBJECTS) for j, t in enumerate(_TEMPLATES)]
+    corpus = save_edits_jsonl(records, tmp_path / "related.jsonl")
+    op = build_operator(model, tok, edits, _tiny_cfg(tmp_path, encoder_corpus=str(corpus), positives_same_relation=2,
+                                                     positives_prefixed=0), out_dir=tmp_path / "run", log=None)
+    roll = load_file(str(tmp_path / "run" / "checkpoints" / "3_rollouts.safetensors"))
+    report = json.loads((tmp_path / "run" / "build_report.json").read_text())
+    seq = roll["anchor_seq"]
+    first = torch.ones_like(seq, dtype=torch.bool)
+    first[1:] = seq[1:] != seq[:-1]
+    rows = (first & (seq >= op.n)).nonzero().squeeze(1)
+    assert rows.numel() == report["stages"]["3_rollouts"]["paraphrase_positives"] > 0
+    g = gates_of(roll["anchors"][rows], op)[torch.arange(rows.numel()), roll["anchor_owner"][rows]]
+    assert report["stages"]["8_finetune"]["paraphrase_sequences"] == int((g >= 0.5).sum())
+
+
+def test_open_paraphrases_picks_candidates_open_on_their_first_anchor():
+    """Sequences 0-1 are requests, 2-5 paraphrases (5 not a candidate); each has two anchors, and
+    only the first (the last prompt token) decides."""
+    from aloe_build.pipeline import _open_paraphrases
+
+    d = 8
+    V = torch.eye(d)[:2] * 4.0  # slot 0 reads dimension 0, slot 1 dimension 1
+    op = AloeOperator(addresses=V, thresholds=torch.full((2,), 2.0), temperatures=torch.full((2,), 10.0),
+                      writes=torch.zeros(2, 3))
+    e = torch.eye(d)
+    owner = torch.tensor([0, 1, 0, 1, 0, 1])
+    first = [e[0], e[1], e[0], e[2], e[2], e[1]]  # seq 3 and 4 closed on their first anchor
+    second = [e[0], e[1], e[2], e[1], e[0], e[1]]  # the second anchors would say otherwise
+    anchors = torch.stack([x for pair in zip(first, second) for x in pair])
+    anchor_seq = torch.arange(6).repeat_interleave(2)
+    candidate = torch.tensor([False, False, True, True, True, False])
+    assert _open_paraphrases(op, anchors, anchor_seq, owner, candidate) == [2]
+    assert _open_paraphrases(op, anchors, anchor_seq, owner, torch.zeros(6, dtype=torch.bool)) == []
 
 
 def test_continuations_stop_before_end_of_sequence():
