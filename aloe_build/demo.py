@@ -2,7 +2,8 @@
 
 Loads SmolLM2-135M-Instruct, builds an operator for the bundled
 counterfactual facts, then prints the model's answers before and after the
-edit for the edited requests, their paraphrases and unrelated controls, and
+edit for the edited requests, the same requests after an unrelated sentence,
+their paraphrases and unrelated controls, and
 finally shows that removing the operator restores the original model.
 """
 
@@ -40,6 +41,7 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
     from .config import BuildConfig
+    from .context import in_context
     from .data import load_edits
 
     config = BuildConfig(**DEMO_CONFIG_FIELDS)
@@ -50,20 +52,22 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
     print(f"loading {model_name} ...")
     model, tokenizer = load_model(model_name)
     prompts = [r.prompt for r in requests]
+    in_ctx = [in_context(r.prompt, 1, i)[0] for i, r in enumerate(requests)]
     rephrases = [r.rephrases[0] for r in requests if r.rephrases]
     controls = [r.locality[0].prompt for r in requests if r.locality]
-    before = [greedy(model, tokenizer, p) for p in (prompts, rephrases, controls)]
+    before = [greedy(model, tokenizer, p) for p in (prompts, in_ctx, rephrases, controls)]
     print(f"building an operator for {len(requests)} edits into {out_dir} ...")
     op = build_operator(model, tokenizer, requests, config, out_dir=out_dir)
     op.save(out_dir)
     op = AloeOperator.load(out_dir)  # serve what was written, as a user would
     apply_aloe(model, op)
-    after = [greedy(model, tokenizer, p) for p in (prompts, rephrases, controls)]
+    after = [greedy(model, tokenizer, p) for p in (prompts, in_ctx, rephrases, controls)]
     remove_aloe(model)
     restored = greedy(model, tokenizer, controls)
 
     with_reph = [r for r in requests if r.rephrases]
-    rows = [("request", prompts, requests), ("paraphrase", rephrases, with_reph)]
+    rows = [("request", prompts, requests), ("in-context request", in_ctx, requests),
+            ("paraphrase", rephrases, with_reph)]
     scores = {}
     for (kind, texts, reqs), b, a in zip(rows, before, after):
         print(f"\n== {kind}s ==")
@@ -71,12 +75,13 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
             print(f"{t!r}\n    before: {x.strip()!r}\n    after:  {y.strip()!r}   (target {r.target_new!r})")
         scores[kind] = sum(hits(y, r.target_new) for y, r in zip(a, reqs)) / max(1, len(reqs))
     print("\n== unrelated controls (should not change) ==")
-    for t, x, y in zip(controls, before[2], after[2]):
+    for t, x, y in zip(controls, before[3], after[3]):
         print(f"{t!r}\n    before: {x.strip()!r}\n    after:  {y.strip()!r}{'' if x == y else '   <- changed'}")
-    scores["control_unchanged"] = sum(x == y for x, y in zip(before[2], after[2])) / max(1, len(controls))
-    scores["restored_after_remove"] = float(restored == before[2])
+    scores["control_unchanged"] = sum(x == y for x, y in zip(before[3], after[3])) / max(1, len(controls))
+    scores["restored_after_remove"] = float(restored == before[3])
     print(
         f"\nedited requests that now give the target: {scores['request']:.0%}\n"
+        f"the same after an unrelated sentence:      {scores['in-context request']:.0%}\n"
         f"paraphrases that give the target:          {scores['paraphrase']:.0%}\n"
         f"unrelated controls unchanged:              {scores['control_unchanged']:.0%}\n"
         f"outputs restored by remove_aloe:           {'yes' if scores['restored_after_remove'] else 'no'}\n"

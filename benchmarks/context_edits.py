@@ -2,8 +2,8 @@
 
 A deployed model rarely sees a request on its own: a system prompt, a conversation or a
 document comes first. This script rewrites an edit file so that each edit's rephrases are
-its own request after fixed sentences written for this check (none comes from the
-construction corpus, whose statements the build puts before requests), keeping its
+its own request after fixed sentences written for this check (``aloe_build.context.PREFIXES``;
+none comes from the construction corpus, whose statements the build puts before requests), keeping its
 locality prompts. ``aloe eval`` on the result reports, under "Gen.", the share of those
 in-context requests that give the target.
 
@@ -18,26 +18,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from aloe_build.context import in_context
 from aloe_build.data import load_edits, save_edits_jsonl
 
-# Plain text of the kinds that precede a question in use: an instruction, small talk, a
-# sentence of some unrelated document. Each edit gets PER_EDIT of them, in turn.
-PREFIXES = (
-    "Please answer the following question.",
-    "I was reading about this yesterday.",
-    "The weather was cold that winter.",
-    "Here is a short quiz on general knowledge.",
-    "He said nothing more about it.",
-    "This page lists some facts.",
-    "My friend asked me something interesting.",
-    "The meeting ended early on Friday.",
-)
-PER_EDIT = 2
-
-
-def in_context(prompt: str, k: int, start: int) -> tuple[str, ...]:
-    """``prompt`` after ``k`` of :data:`PREFIXES`, beginning at index ``start`` (cyclically)."""
-    return tuple(f"{PREFIXES[(start + j) % len(PREFIXES)]} {prompt}" for j in range(k))
+PER_EDIT = 2  # in-context requests per edit, taking the prefixes in turn
 
 
 def main(argv: list[str] | None = None) -> Path:

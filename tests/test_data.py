@@ -665,3 +665,16 @@ def test_prefixed_prompts_put_distinct_true_corpus_statements_before_the_request
         assert sep and rest == "The capital of France is" and statement + "." in truths
     assert corpus.prefixed_prompts("The capital of France is", 0, random.Random(0)) == []
     assert len(corpus.prefixed_prompts("x", 10_000, random.Random(0))) == len(corpus.statements)
+
+
+def test_in_context_prefixes_are_held_out_from_the_construction_corpus() -> None:
+    """The sentences that put a request in context for evaluation never occur in the bundled
+    corpus, whose statements the build puts before requests; k prompts cycle through them."""
+    from aloe_build.context import PREFIXES, in_context
+    from aloe_build.corpus import BUNDLED_CORPUS
+
+    corpus_text = BUNDLED_CORPUS.read_text()
+    assert all(p not in corpus_text for p in PREFIXES)
+    got = in_context("The capital of France is", 3, len(PREFIXES) - 1)
+    assert got == (f"{PREFIXES[-1]} The capital of France is", f"{PREFIXES[0]} The capital of France is",
+                   f"{PREFIXES[1]} The capital of France is")
