@@ -179,8 +179,7 @@ def calibrate(
         s_soft = (V[soft_own] * soft_a).sum(-1)
         floor = s_neg + cfg.calibration_soft_floor * (s_pos - s_neg)
         counted = (s_soft >= floor[soft_own]) & (s_pos > s_neg)[soft_own]
-        s_pos = torch.minimum(s_pos, min_anchor_scores(V, soft_a[counted], soft_own[counted])
-                              if counted.any() else torch.full_like(s_pos, math.inf))
+        s_pos = torch.minimum(s_pos, min_anchor_scores(V, soft_a[counted], soft_own[counted]))
     norms = V.norm(dim=1).clamp_min(1e-12)
     p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
     z_pos = _logit(p_open)

@@ -314,12 +314,12 @@ def build_operator(
     def rollouts() -> dict[str, torch.Tensor]:
         # along the target for requests and rewordings; the prefixed requests only at their last
         # prompt token (the positions along the target are the request's own target text)
-        along = n + int(seq_soft.sum())
-        anchor_pos = _anchor_positions(model, tokenizer, p_ids + para_prompt_ids[: along - n],
-                                       t_ids + [t_ids[i] for i in para_owner[: along - n]],
+        r = int(seq_soft.sum())  # the rewordings come first among the paraphrase sequences
+        anchor_pos = _anchor_positions(model, tokenizer, p_ids + para_prompt_ids[:r],
+                                       t_ids + [t_ids[i] for i in para_owner[:r]],
                                        cfg.max_target_tokens, cfg.anchor_predicted_targets, cfg.batch_size)
-        anchor_pos += [[len(p) - 1] for p in para_prompt_ids[along - n:]]
-        anchors = collect_states(model, tokenizer, seqs + para_seqs[: along - n] + para_prompt_ids[along - n:], layer,
+        anchor_pos += [[len(p) - 1] for p in para_prompt_ids[r:]]
+        anchors = collect_states(model, tokenizer, seqs + para_seqs[:r] + para_prompt_ids[r:], layer,
                                  anchor_pos, cfg.batch_size, "stage 3: anchor states")
         pool = _shared_negatives(model, tokenizer, layer, enc_dir, corpus, cfg)
         pool = pool[_not_anchors(pool, anchors.states)]
@@ -379,7 +379,7 @@ def build_operator(
 
     roll = stage("3_rollouts", rollouts)
     anchors, anchor_owner = roll["anchors"], roll["anchor_owner"]
-    anchor_seq = roll.get("anchor_seq", anchor_owner)  # checkpoints written before it existed had no paraphrases
+    anchor_seq = roll["anchor_seq"]
     soft = seq_soft[anchor_seq]
     # anchors and request continuations are negatives of every slot but their own (and those of
     # the same prompt, see NegativeSet.top)
