@@ -81,6 +81,12 @@ class BuildConfig:
     # 200 CounterFact val edits, requests after sentences the build never saw gave the target
     # 0.128 of the time with none, 0.505 with 4 and 0.595 with 8 (locality 0.990, 0.985, 0.980)
     positives_prefixed: int = 4
+    # How many of those come after a fragment of unrelated text that begins one of the corpus's
+    # rephrases ("It was released in August 1990.") instead of a statement. Off by default: on 200
+    # CounterFact val edits 2 of 4 took in-context efficacy from 0.505 to 0.532, on 200 zsRE edits
+    # from 0.142 to 0.165 (generalization 0.055 -> 0.075, locality 1.000 -> 0.995), gains of about
+    # one standard error each, not yet measured on whole streams
+    positives_prefix_fragments: int = 0
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = 3000

@@ -295,7 +295,8 @@ def build_operator(
     # these anchors are required like the request's own.
     prefix_rng = random.Random(cfg.seed + 3)
     for i, s in enumerate(slots):
-        for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng):
+        for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng,
+                                            cfg.positives_prefix_fragments):
             para_prompt_ids.append(encode_prompt(tokenizer, text))
             para_owner.append(i)
             para_soft.append(False)

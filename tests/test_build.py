@@ -391,6 +391,37 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
             assert len(found) == len(own) == k
 
 
+def test_prefix_fragments_replace_some_statements_before_the_request(tmp_path):
+    """With ``positives_prefix_fragments`` = 1 of ``positives_prefixed`` = 2, each slot's anchors
+    include its request after exactly one corpus statement and one fragment of unrelated text that
+    begins a corpus rephrase."""
+    from safetensors.torch import load_file
+
+    from aloe_build.corpus import load_corpus
+    from aloe_build.states import last_token_states
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    records = [EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
+                           ground_truth=_WORDS[(i + j + 1) % len(_WORDS)],
+                           rephrases=(f"Line {i} {j} of a page. " + t.replace("{}", s),),
+                           locality=(t.replace("{}", _SUBJECTS[(i + 3) % 10]),), id=f"c{i}-{j}")
+               for i, s in enumerate(_SUBJECTS) for j, t in enumerate(_TEMPLATES)]
+    corpus_path = save_edits_jsonl(records, tmp_path / "fragments.jsonl")
+    corpus = load_corpus(str(corpus_path), 40, 2, 0)[0]
+    # the text before the subject is a fragment only where the rephrase's template begins with it
+    assert corpus.fragments == sorted(f"Line {i} {j} of a page." for i in range(len(_SUBJECTS))
+                                      for j, t in enumerate(_TEMPLATES) if t.startswith("{}"))
+    build_operator(model, tok, edits, _tiny_cfg(tmp_path, encoder_corpus=str(corpus_path), positives_prefixed=2,
+                                                 positives_prefix_fragments=1), out_dir=tmp_path / "run", log=None)
+    roll = load_file(str(tmp_path / "run" / "checkpoints" / "3_rollouts.safetensors"))
+    for i, e in enumerate(edits):
+        own = roll["anchors"][roll["anchor_owner"] == i]
+        for texts in (corpus.statements, corpus.fragments):
+            h = last_token_states(model, tok, [f"{t} {e.prompt}" for t in texts], 1)
+            assert sum(_rows_contain(own, h[j:j + 1]) for j in range(len(texts))) == 1
+
+
 def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
     """Same-relation positives: the write stages train on exactly the rewordings whose own gate is
     at least 0.5 at their last prompt token (their first anchor), scored with the built operator."""

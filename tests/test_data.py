@@ -651,7 +651,8 @@ def test_exclusion_prompts() -> None:
 
 
 def test_prefixed_prompts_put_distinct_true_corpus_statements_before_the_request() -> None:
-    """Each variant is one corpus record's prompt with its ground truth, a full stop, then the request."""
+    """Each variant is one corpus record's prompt with its ground truth, a full stop, then the request
+    (the default: no fragments)."""
     import random
 
     from aloe_build.corpus import load_corpus
@@ -665,6 +666,34 @@ def test_prefixed_prompts_put_distinct_true_corpus_statements_before_the_request
         assert sep and rest == "The capital of France is" and statement + "." in truths
     assert corpus.prefixed_prompts("The capital of France is", 0, random.Random(0)) == []
     assert len(corpus.prefixed_prompts("x", 10_000, random.Random(0))) == len(corpus.statements)
+
+
+def test_prefixed_prompts_can_put_fragments_of_corpus_rephrases_first() -> None:
+    """With ``fragments`` = f, f of the k texts before the request are the unrelated sentences that
+    begin some corpus rephrases, the others statements; a fragment ends a sentence of three words
+    or more and is taken from before the subject."""
+    import random
+
+    from aloe_build.corpus import leading_text, load_corpus
+
+    assert leading_text("It was released in August 1990. Toko Yasuda plays the", "Toko Yasuda") == \
+        "It was released in August 1990."
+    assert leading_text("People around Toko Yasuda speak", "Toko Yasuda") is None  # not a sentence
+    assert leading_text("Yes. Toko Yasuda plays the", "Toko Yasuda") is None  # too short
+    assert leading_text("Toko Yasuda plays the", "Toko Yasuda") is None
+    assert leading_text("It was released in 1990. Someone plays the", "Toko Yasuda") is None
+
+    corpus = load_corpus(None, 400, 2, 0)[0]
+    expected = {leading_text(r.rephrases[0], r.subject) for r in corpus.records} - {None}
+    assert set(corpus.fragments) == expected and len(corpus.fragments) >= 10
+    statements = set(corpus.statements)
+    got = corpus.prefixed_prompts("The capital of France is", 5, random.Random(0), fragments=2)
+    assert len(set(got)) == 5 and all(t.endswith(" The capital of France is") for t in got)
+    before = [t[: -len(" The capital of France is")] for t in got]
+    assert sum(b in statements for b in before) == 3 and sum(b in expected for b in before) == 2
+    # fragments=0 draws exactly what the statements-only call draws
+    assert corpus.prefixed_prompts("x", 4, random.Random(3), fragments=0) == corpus.prefixed_prompts("x", 4, random.Random(3))
+    assert len(corpus.prefixed_prompts("x", 3, random.Random(0), fragments=9)) == 3
 
 
 def test_in_context_prefixes_are_held_out_from_the_construction_corpus() -> None:
