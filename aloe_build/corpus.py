@@ -112,11 +112,11 @@ class Corpus:
 
     def prefixed_prompts(self, prompt: str, k: int, rng: random.Random, fragments: int = 0) -> list[str]:
         """``prompt`` after ``k`` different pieces of corpus text ("<text> <prompt>"): the request in
-        context, which must still reach the edit. ``k - fragments`` of them are corpus statements,
-        the others :attr:`fragments` (as many as there are of each)."""
-        fragments = min(fragments, k)
+        context, which must still reach the edit. ``fragments`` of them are :attr:`fragments` (as
+        many as the corpus has), the others corpus statements (as many as it has)."""
+        fragments = min(fragments, k, len(self.fragments))
         picked = rng.sample(self.statements, min(k - fragments, len(self.statements)))
-        picked += rng.sample(self.fragments, min(fragments, len(self.fragments)))
+        picked += rng.sample(self.fragments, fragments)
         return [f"{text} {prompt}" for text in picked]
 
     def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:

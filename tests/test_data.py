@@ -694,6 +694,10 @@ def test_prefixed_prompts_can_put_fragments_of_corpus_rephrases_first() -> None:
     # fragments=0 draws exactly what the statements-only call draws
     assert corpus.prefixed_prompts("x", 4, random.Random(3), fragments=0) == corpus.prefixed_prompts("x", 4, random.Random(3))
     assert len(corpus.prefixed_prompts("x", 3, random.Random(0), fragments=9)) == 3
+    # a corpus with fewer fragments than asked for makes up the rest with statements
+    corpus.fragments = corpus.fragments[:1]
+    got = corpus.prefixed_prompts("x", 4, random.Random(0), fragments=3)
+    assert len(set(got)) == 4 and sum(t[:-2] in statements for t in got) == 3
 
 
 def test_in_context_prefixes_are_held_out_from_the_construction_corpus() -> None:
