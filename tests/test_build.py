@@ -191,13 +191,14 @@ _TEMPLATES = ["The capital of {} is", "{} plays the", "What is the product made 
 _WORDS = ["Paris", "Rome", "guitar", "piano", "uniform", "France", "Italy"]
 
 
-def _tiny_corpus(path):
+def _tiny_corpus(path, rephrase=lambda i, j, prompt: "the " + prompt):
+    """Every subject under every template; ``rephrase(i, j, prompt)`` words the rephrase of record (i, j)."""
     records = []
     for i, s in enumerate(_SUBJECTS):
         for j, t in enumerate(_TEMPLATES):
             records.append(EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
                                        ground_truth=_WORDS[(i + j + 1) % len(_WORDS)],
-                                       rephrases=("the " + t.replace("{}", s),),
+                                       rephrases=(rephrase(i, j, t.replace("{}", s)),),
                                        locality=(_TEMPLATES[j].replace("{}", _SUBJECTS[(i + 3) % 10]),),
                                        id=f"c{i}-{j}"))
     save_edits_jsonl(records, path)
@@ -402,12 +403,7 @@ def test_prefix_fragments_replace_some_statements_before_the_request(tmp_path):
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:3]
-    records = [EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
-                           ground_truth=_WORDS[(i + j + 1) % len(_WORDS)],
-                           rephrases=(f"Line {i} {j} of a page. " + t.replace("{}", s),),
-                           locality=(t.replace("{}", _SUBJECTS[(i + 3) % 10]),), id=f"c{i}-{j}")
-               for i, s in enumerate(_SUBJECTS) for j, t in enumerate(_TEMPLATES)]
-    corpus_path = save_edits_jsonl(records, tmp_path / "fragments.jsonl")
+    corpus_path = _tiny_corpus(tmp_path / "fragments.jsonl", lambda i, j, prompt: f"Line {i} {j} of a page. {prompt}")
     corpus = load_corpus(str(corpus_path), 40, 2, 0)[0]
     # the text before the subject is a fragment only where the rephrase's template begins with it
     assert corpus.fragments == sorted(f"Line {i} {j} of a page." for i in range(len(_SUBJECTS))
