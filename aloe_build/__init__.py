@@ -1,8 +1,7 @@
-"""ALOE construction: edit requests, model loading, the build pipeline and evaluation."""
+"""ALOE construction: edit requests, model loading and the build pipeline (stages 1-8)."""
 
 from .config import BuildConfig
 from .data import EditDataError, EditRequest, LocalityPrompt, PortabilityPrompt, load_edits, save_edits_jsonl
-from .evaluate import evaluate
 from .models import default_layer, load_model
 from .pipeline import BuildError, build_operator
 
@@ -15,7 +14,6 @@ __all__ = [
     "PortabilityPrompt",
     "build_operator",
     "default_layer",
-    "evaluate",
     "load_edits",
     "load_model",
     "save_edits_jsonl",

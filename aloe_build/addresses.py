@@ -120,8 +120,6 @@ def refine_addresses(
             s_soft = (V[soft_own] * soft_a).sum(-1)
             soft_hinge = F.relu(margin[soft_own] - s_soft + neg[soft_own])
             loss = loss + cfg.refine_soft_weight * (soft_hinge**2).mean()
-        if cfg.refine_anchor_keep:
-            loss = loss + cfg.refine_anchor_keep * ((V - V0) ** 2).sum(1).div(norms.squeeze(1) ** 2).mean()
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
         losses.append(float(loss.detach()))

@@ -47,15 +47,6 @@ class CorpusItem:
     subject: str
 
 
-def leading_text(rephrase: str, subject: str) -> str | None:
-    """The text before the subject in a rephrase when it ends a sentence of at least three words:
-    CounterFact's paraphrase prompts begin with a fragment of unrelated text ("It was released in
-    August 1990. <paraphrase>"). None otherwise."""
-    i = rephrase.find(subject) if subject else -1
-    before = rephrase[:i].strip() if i > 0 else ""
-    return before if re.search(r"[.?!\"')]$", before) and len(before.split()) >= 3 else None
-
-
 class Corpus:
     """Construction corpus items plus the templates mined from it."""
 
@@ -77,8 +68,6 @@ class Corpus:
         # true statements of the corpus ("The mother tongue of Danielle Darrieux is French."): text
         # that can stand before a request the way a conversation or a document would
         self.statements = [f"{r.prompt} {r.ground_truth[0]}." for r in self.records if r.ground_truth]
-        # and the unrelated text that begins some of its rephrases
-        self.fragments = sorted({f for r in self.records if (f := leading_text(r.rephrases[0], r.subject))})
         rng = random.Random(seed)
         groups = list(self.templates)
         self.items: list[CorpusItem] = []
@@ -110,13 +99,10 @@ class Corpus:
         others = [t for t in self.templates.get(group, []) if t != template] if group is not None else []
         return [t.replace("{}", subject) for t in rng.sample(others, min(k, len(others)))]
 
-    def prefixed_prompts(self, prompt: str, k: int, rng: random.Random, fragments: int = 0) -> list[str]:
-        """``prompt`` after ``k`` different pieces of corpus text ("<text> <prompt>"): the request in
-        context, which must still reach the edit. ``fragments`` of them are :attr:`fragments` (as
-        many as the corpus has), the others corpus statements (as many as it has)."""
-        fragments = min(fragments, k, len(self.fragments))
-        picked = rng.sample(self.statements, min(k - fragments, len(self.statements)))
-        picked += rng.sample(self.fragments, fragments)
+    def prefixed_prompts(self, prompt: str, k: int, rng: random.Random) -> list[str]:
+        """``prompt`` after ``k`` different corpus statements ("<statement> <prompt>", as many as the
+        corpus has): the request in context, which must still reach the edit."""
+        picked = rng.sample(self.statements, min(k, len(self.statements)))
         return [f"{text} {prompt}" for text in picked]
 
     def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:

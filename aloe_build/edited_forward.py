@@ -31,15 +31,9 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
-from .states import (
-    _StopForward,
-    batch_inputs,
-    capture_down_proj_input,
-    model_device,
-    normalize_rows,
-    pad_id,
-    run_captured,
-)
+from .forward import model_device
+from .states import _StopForward, capture_down_proj_input, normalize_rows, run_captured
+from .tokens import batch_inputs, pad_id
 
 # Largest relative difference between the upper-layer pass and a full forward that
 # still counts as the same computation (fp32 and bf16 reorderings stay far below it).

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,27 +25,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .checkpoints import save_tensors_atomically, write_atomically
 from .config import BuildConfig
 from .corpus import CORPUS_VERSION, Corpus
 from .states import last_token_states
-
-
-def write_atomically(file: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` under a private temporary name beside ``file``, then rename it into place:
-    concurrent builds sharing a cache never read a partial file nor clobber each other's."""
-    tmp = file.parent / f".{file.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        write(tmp)
-        os.replace(tmp, file)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """A safetensors file written through :func:`write_atomically`."""
-    from safetensors.torch import save_file
-
-    write_atomically(file, lambda tmp: save_file(tensors, str(tmp)))
 
 
 @dataclass
@@ -234,7 +214,8 @@ def encoder_diagnostics(enc: AddressEncoder, cs: CorpusStates, dev: list[int], s
 
 
 def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig) -> str:
-    fields = {k: v for k, v in cfg.to_dict().items() if k.startswith("encoder_") and k != "encoder_cache"}
+    """Key of an encoder in the cache: model weight, layer, corpus and the stage-1 settings (not the cache's place)."""
+    fields = {k: v for k, v in cfg.fields_of(1).items() if k != "encoder_cache"}
     h = hashlib.sha256()
     h.update(json.dumps([fingerprint, layer, str(Path(corpus_path).resolve()), corpus_path.stat().st_size,
                          fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())

@@ -35,7 +35,6 @@ __all__ = [
     "SMOLLM2_NAME",
     "cache_root",
     "default_layer",
-    "find_down_proj",
     "load_model",
     "model_name",
     "num_decoder_layers",
@@ -344,25 +343,6 @@ def model_name(model: nn.Module) -> str:
     if not name:
         name = str(getattr(config, "model_type", "") or type(model).__name__)
     return name
-
-
-def _locate(model: nn.Module, layer: int):
-    from aloe_kernels.hf import locate_down_proj
-
-    return locate_down_proj(model, layer)
-
-
-def find_down_proj(model: nn.Module, layer: int) -> tuple[str, nn.Module]:
-    """The dotted module path and module of decoder layer ``layer``'s MLP down-projection.
-
-    ``model.layers[L].mlp.down_proj`` for Llama, Mistral, Qwen2, Qwen3, Gemma 3;
-    ``transformer.h[L].mlp.c_proj`` (a Conv1D) for GPT-2. Raises ValueError
-    (``aloe_kernels.PatchError``) when the layer is out of range or the model
-    has no MLP down-projection. Delegates to ``aloe_kernels.hf.locate_down_proj``
-    so that the builder and the runtime patch always agree on the module.
-    """
-    site = _locate(model, layer)
-    return site.path, site.module
 
 
 def num_decoder_layers(model: nn.Module) -> int:

@@ -18,6 +18,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aloe_kernels.hf import locate_down_proj
+from aloe_kernels.operator import DEFAULT_EPS
+
+from .forward import model_device
+from .tokens import batch_inputs, encode_prompt, pad_id
 
 
 class _StopForward(Exception):
@@ -58,44 +62,6 @@ def run_captured(model: nn.Module, box: dict, **inputs) -> torch.Tensor:
     return box["h"]
 
 
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists; returns (input_ids, attention_mask)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def batch_inputs(seqs: Sequence[Sequence[int]], pad: int, device) -> dict[str, torch.Tensor]:
-    """Left-padded model inputs with explicit position ids, so that padding does
-    not shift absolute positions (GPT-2) and every row sees positions 0..len-1."""
-    ids, mask = left_pad(seqs, pad, device)
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
-
-
-def pad_id(tokenizer) -> int:
-    pid = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return int(pid if pid is not None else 0)
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt, as the tokenizer encodes it for generation (special tokens included)."""
-    return list(tokenizer(text)["input_ids"])
-
-
-def encode_target(tokenizer, target: str) -> list[int]:
-    """Token ids of a target continuation: a leading space, no special tokens."""
-    return list(tokenizer(" " + target.strip(), add_special_tokens=False)["input_ids"])
-
-
 def max_context(model: nn.Module, tokenizer) -> int:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     tok_limit = getattr(tokenizer, "model_max_length", None)
@@ -119,7 +85,8 @@ class StateBatch:
         return torch.repeat_interleave(torch.arange(len(counts)), counts)
 
 
-def normalize_rows(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def normalize_rows(h: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """Rows of ``h`` in float32 divided by ``max(|row|, eps)``, as the gate normalizes them."""
     h = h.float()
     return h / h.norm(dim=-1, keepdim=True).clamp_min(eps)
 

@@ -21,7 +21,10 @@ from .reference import aloe_reference
 from .residual import aloe_residual_
 
 # Where decoder layers live, and where the down-projection sits inside one layer.
-_LAYER_LISTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "transformer.h", "model.decoder.layers")
+_LAYER_LISTS = (
+    "model.layers", "model.language_model.layers", "language_model.model.layers", "transformer.h",
+    "model.decoder.layers",
+)
 _DOWN_PROJ_NAMES = ("mlp.down_proj", "mlp.c_proj")
 _TENSORS = ("addresses", "thresholds", "temperatures", "writes")
 
@@ -85,7 +88,9 @@ def locate_down_proj(model: nn.Module, layer: int) -> DownProjSite:
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise PatchError(f"layer must be an int, got {layer!r}")
     if not 0 <= layer < len(layers):
-        raise PatchError(f"layer {layer} is out of range: the model has {len(layers)} decoder layers (0..{len(layers) - 1})")
+        raise PatchError(
+            f"layer {layer} is out of range: the model has {len(layers)} decoder layers (0..{len(layers) - 1})"
+        )
     block = layers[layer]
     for name in _DOWN_PROJ_NAMES:
         module = _get(block, name)
@@ -93,7 +98,8 @@ def locate_down_proj(model: nn.Module, layer: int) -> DownProjSite:
             parent_name, attr = name.rsplit(".", 1)
             return DownProjSite(f"{path}.{layer}.{name}", _get(block, parent_name), attr, module, len(layers))
     raise PatchError(
-        f"{type(model).__name__}: decoder layer {layer} has no MLP down-projection (looked for {', '.join(_DOWN_PROJ_NAMES)})"
+        f"{type(model).__name__}: decoder layer {layer} has no MLP down-projection "
+        f"(looked for {', '.join(_DOWN_PROJ_NAMES)})"
     )
 
 

@@ -89,6 +89,23 @@ class AloeOperator:
             self.edits = [dict(e) for e in self.edits]
         self.validate()
 
+    @classmethod
+    def unchecked(cls, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
+                  writes: torch.Tensor, eps: float, gate_eps: float) -> "AloeOperator":
+        """An operator over existing tensors, without validating or copying them.
+
+        For hot paths (one call per forward) whose tensors were checked when
+        they were loaded: validation reads every tensor and would cost more
+        than the residual itself at decode.
+        """
+        op = object.__new__(cls)
+        op.__dict__.update(
+            addresses=addresses, thresholds=thresholds, temperatures=temperatures, writes=writes,
+            eps=float(eps), gate_eps=float(gate_eps), edits=None, layer=None, module_path=None,
+            base_model=None, weight_fingerprint=None,
+        )
+        return op
+
     # ------------------------------------------------------------------ shape
     def _rows(self) -> int:
         a = self.addresses
@@ -319,7 +336,8 @@ class AloeOperator:
             t = tensors[name]
             if tuple(t.shape) != tuple(shape):
                 raise ArtifactError(
-                    f"{t_path}: field '{name}': expected shape {tuple(shape)} (from {CONFIG_NAME}), got {tuple(t.shape)}"
+                    f"{t_path}: field '{name}': expected shape {tuple(shape)} (from {CONFIG_NAME}), "
+                    f"got {tuple(t.shape)}"
                 )
             if t.dtype != want_dtype:
                 raise ArtifactError(f"{t_path}: field '{name}': expected dtype {config['dtype']}, got {t.dtype}")

@@ -6,6 +6,8 @@ returned in h's dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .operator import AloeOperator
@@ -28,6 +30,18 @@ def gates_from_scores(scores: torch.Tensor, thresholds: torch.Tensor, temperatur
     """Dead-zone sigmoid gate of already normalized scores (..., n)."""
     z = temperatures * (scores - thresholds)
     return torch.clamp_min(torch.sigmoid(z) - gate_eps, 0.0) / (1.0 - gate_eps)
+
+
+def open_score_floor(thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float) -> torch.Tensor:
+    """Per-edit normalized score above which the gate is non-zero.
+
+    g > 0  <=>  sigmoid(alpha (s - tau)) > gate_eps  <=>  s > tau + logit(gate_eps) / alpha.
+    Comparing raw scores with this floor needs no sigmoid over all (token, edit) pairs.
+    """
+    if gate_eps <= 0:
+        return torch.full_like(thresholds, -math.inf)
+    logit = math.log(gate_eps / (1.0 - gate_eps))
+    return thresholds + logit / temperatures
 
 
 def aloe_gates(h: torch.Tensor, op: AloeOperator) -> torch.Tensor:

@@ -8,39 +8,11 @@ edits whose gate is non-zero for some token of the batch.
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 
 from .operator import AloeOperator
-from .reference import _check_input, compute_dtype, gates_from_scores
-
-
-def triton_interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def use_fused_kernel(h: torch.Tensor) -> bool:
-    """Whether ``aloe_residual_`` takes the Triton kernel for this input."""
-    if not (h.is_cuda or triton_interpreting()):
-        return False
-    from .ops import kernel_available
-
-    return kernel_available()
-
-
-def open_score_floor(op: AloeOperator) -> torch.Tensor:
-    """Per-edit normalized score above which the gate is non-zero.
-
-    g > 0  <=>  sigmoid(alpha (s - tau)) > gate_eps  <=>  s > tau + logit(gate_eps) / alpha.
-    Comparing raw scores with this floor needs no sigmoid over all (token, edit) pairs.
-    """
-    if op.gate_eps <= 0:
-        return torch.full_like(op.thresholds, -math.inf)
-    logit = math.log(op.gate_eps / (1.0 - op.gate_eps))
-    return op.thresholds + logit / op.temperatures
+from .reference import _check_input, compute_dtype, open_score_floor
+from .runtime import kernel_dtypes, use_fused_kernel
 
 
 def sparse_residual_(y: torch.Tensor, h: torch.Tensor, op: AloeOperator) -> torch.Tensor:
@@ -75,7 +47,7 @@ def sparse_residual_(y: torch.Tensor, h: torch.Tensor, op: AloeOperator) -> torc
         scores = torch.mm(addresses, (hc / norm.unsqueeze(1)).T)  # (n, T)
     else:
         scores = torch.mm(addresses, hc.T).div_(norm)  # (n, T), scaled per token column
-    floor = _as(open_score_floor(op), ct)
+    floor = _as(open_score_floor(op.thresholds, op.temperatures, op.gate_eps), ct)
     best = scores.amax(dim=1) if T > 1 else scores.view(n)
     idx = (best > floor).nonzero().squeeze(1)
     k = idx.numel()
@@ -132,12 +104,15 @@ def aloe_residual_(y: torch.Tensor, h: torch.Tensor, op: AloeOperator, determini
     _check_input(h, op)
     if y.shape[:-1] != h.shape[:-1] or y.shape[-1] != op.d_out:
         raise ValueError(
-            f"y has shape {tuple(y.shape)}, expected {tuple(h.shape[:-1]) + (op.d_out,)} for h of shape {tuple(h.shape)}"
+            f"y has shape {tuple(y.shape)}, expected {tuple(h.shape[:-1]) + (op.d_out,)} "
+            f"for h of shape {tuple(h.shape)}"
         )
     if op.device != h.device:
         raise ValueError(f"operator is on {op.device} but h is on {h.device}; call op.to(h.device) once")
-    if use_fused_kernel(h):
-        from .ops import fused_residual_
+    # float64 (not a kernel dtype) takes the PyTorch path wherever it runs.
+    if use_fused_kernel(h) and kernel_dtypes(y, h, op.addresses, op.writes):
+        from .ops.aloe_gate import aloe_gate_residual_
 
-        return fused_residual_(y, h, op, deterministic=deterministic)
+        return aloe_gate_residual_(y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps,
+                                   op.gate_eps, deterministic)
     return sparse_residual_(y, h, op)

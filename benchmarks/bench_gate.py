@@ -133,11 +133,11 @@ def make_workload(shape: str, T: int, n: int, active: str, dtype: torch.dtype, d
 
 
 def _measure_activity(h, op, chunk: int = 8192):
-    from aloe_kernels.residual import open_score_floor
+    from aloe_kernels.reference import open_score_floor
 
     hc = h.float()
     hbar = hc / torch.linalg.vector_norm(hc, dim=1, keepdim=True).clamp_min(op.eps)
-    floor = open_score_floor(op).float()
+    floor = open_score_floor(op.thresholds, op.temperatures, op.gate_eps).float()
     open_any = torch.zeros(op.n, dtype=torch.bool, device=h.device)
     total = 0
     for lo in range(0, op.n, chunk):
@@ -355,46 +355,55 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda requested but CUDA is not available")
-        return 2
+@dataclass
+class Settings:
+    """What one run measures, from the command line and the device's defaults."""
+
+    device: str
+    dtype: torch.dtype
+    shapes: list[str]
+    Ts: list[int]
+    ns: list[int]
+    actives: list[str]
+    providers: list[str]
+    reps: int
+    mem_budget: float  # bytes
+    out_prefix: Path
+
+
+def resolve_settings(args: argparse.Namespace, device: str) -> Settings:
+    """Fill what the command line leaves open with the device's defaults (CPU, CUDA or --quick)."""
     on_cpu = device == "cpu"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if on_cpu and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("note: TRITON_INTERPRET is set; the fused kernel is not timed on CPU anyway")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
         args.dtype or ("fp32" if on_cpu else "bf16")]
     shapes = args.shapes or ("smollm2" if on_cpu else "all")
-    shape_list = list(SHAPES) if shapes == "all" else [shapes]
     if args.quick:
         Ts, ns, actives = QUICK_T, QUICK_N, QUICK_ACTIVE
     elif on_cpu:
         Ts, ns, actives = CPU_T, CPU_N, CPU_ACTIVE
     else:
         Ts, ns, actives = GPU_T, GPU_N, GPU_ACTIVE
-    Ts = args.T or Ts
-    ns = args.n or ns
-    actives = args.active or actives
-    providers = args.providers or PROVIDERS
-    reps = args.reps or (10 if args.quick else 15 if on_cpu else 20)
     if args.mem_budget_gb is not None:
         budget = args.mem_budget_gb * 1e9
     elif on_cpu:
         budget = 6e9
     else:
         budget = 0.7 * torch.cuda.get_device_properties(0).total_memory
-    out_prefix = Path(args.out) if args.out else DEFAULT_OUT / f"gate_{device}"
-    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    return Settings(
+        device=device, dtype=dtype, shapes=list(SHAPES) if shapes == "all" else [shapes],
+        Ts=args.T or Ts, ns=args.n or ns, actives=args.active or actives, providers=args.providers or PROVIDERS,
+        reps=args.reps or (10 if args.quick else 15 if on_cpu else 20), mem_budget=budget,
+        out_prefix=Path(args.out) if args.out else DEFAULT_OUT / f"gate_{device}",
+    )
 
-    env = environment(device)
-    bw, bw_src = measure_bandwidth(device)
-    env.update(memory_bandwidth_gbps=round(bw, 1), memory_bandwidth_source=bw_src, dtype=str(dtype),
-               argv=list(sys.argv[1:] if argv is None else argv))
-    print(f"device={device} ({env.get('gpu', env['cpu'])}), dtype={dtype}, threads={env['torch_threads']}, "
+
+def describe_environment(s: Settings, argv: list[str]) -> tuple[dict, float]:
+    """The run's environment record (printed) and the memory bandwidth in GB/s."""
+    on_cpu = s.device == "cpu"
+    env = environment(s.device)
+    bw, bw_src = measure_bandwidth(s.device)
+    env.update(memory_bandwidth_gbps=round(bw, 1), memory_bandwidth_source=bw_src, dtype=str(s.dtype), argv=argv)
+    print(f"device={s.device} ({env.get('gpu', env['cpu'])}), dtype={s.dtype}, threads={env['torch_threads']}, "
           f"bandwidth~{bw:.1f} GB/s ({bw_src})")
     load = env.get("loadavg")
     if on_cpu and load and load[0] > (os.cpu_count() or 1):
@@ -404,43 +413,72 @@ def main(argv=None) -> int:
         print(msg)
     if on_cpu:
         print("aloe_triton: skipped on CPU (the Triton interpreter is a correctness tool, not a timing target)")
+    return env, bw
 
+
+def measure_workload(s: Settings, w: Workload, bw: float, skipped: dict) -> list[dict]:
+    """Time every provider on one workload: one result row per provider (printed on one line)."""
+    fns = build_providers(w, s.device, s.providers, skipped)
+    timed = time_cuda(fns, s.reps) if s.device == "cuda" else time_cpu(fns, s.reps)
+    meta = workload_bytes(w, s.dtype)
+    base = {"shape": w.shape, "d": w.d, "d_out": w.d_out, "T": w.T, "n": w.n, "active": w.active,
+            "active_per_token": w.active_per_token, "measured_active": round(w.measured_active, 3),
+            "open_edits": w.open_edits, "dtype": str(s.dtype).replace("torch.", ""), "device": s.device, **meta}
+    rows = []
+    line = [f"{w.shape} T={w.T} n={w.n} active={w.active} (measured {w.measured_active:.1f}/token):"]
+    for prov, (med, lo, cnt) in timed.items():
+        sec = med / 1e3
+        row = dict(base, provider=prov, median_ms=round(med, 4), min_ms=round(lo, 4), rounds=cnt,
+                   gbps=round(meta["floor_bytes"] / sec / 1e9, 3),
+                   pct_of_floor=round(100.0 * (meta["floor_bytes"] / (bw * 1e9)) / sec, 2),
+                   tflops=round(meta["useful_flops"] / sec / 1e12, 5))
+        for other, (omed, _, _) in timed.items():
+            if other != prov:
+                row[f"speedup_vs_{other}"] = round(omed / med, 3)
+        rows.append(row)
+        line.append(f"{prov}={med:.3f}ms")
+    print("  ".join(line))
+    return rows
+
+
+def run_workloads(s: Settings, bw: float) -> tuple[list[dict], dict[str, str], list[dict]]:
+    """Every (shape, n, T, active) workload within the memory budget: rows, skipped providers and workloads."""
     rows: list[dict] = []
     skipped: dict[str, str] = {}
     skipped_workloads: list[dict] = []
-    for shape in shape_list:
-        for n in ns:
-            for T in Ts:
-                for active in actives:
-                    need = estimate_memory(shape, T, n, dtype)
-                    if need > budget:
-                        reason = f"needs ~{need / 1e9:.1f} GB > budget {budget / 1e9:.1f} GB"
+    for shape in s.shapes:
+        for n in s.ns:
+            for T in s.Ts:
+                for active in s.actives:
+                    need = estimate_memory(shape, T, n, s.dtype)
+                    if need > s.mem_budget:
+                        reason = f"needs ~{need / 1e9:.1f} GB > budget {s.mem_budget / 1e9:.1f} GB"
                         print(f"skip {shape} T={T} n={n} active={active}: {reason}")
                         skipped_workloads.append({"shape": shape, "T": T, "n": n, "active": active, "reason": reason})
                         continue
-                    w = make_workload(shape, T, n, active, dtype, device)
-                    fns = build_providers(w, device, providers, skipped)
-                    timed = time_cuda(fns, reps) if device == "cuda" else time_cpu(fns, reps)
-                    meta = workload_bytes(w, dtype)
-                    base = {"shape": shape, "d": w.d, "d_out": w.d_out, "T": T, "n": n, "active": active,
-                            "active_per_token": w.active_per_token, "measured_active": round(w.measured_active, 3),
-                            "open_edits": w.open_edits, "dtype": str(dtype).replace("torch.", ""),
-                            "device": device, **meta}
-                    line = [f"{shape} T={T} n={n} active={active} (measured {w.measured_active:.1f}/token):"]
-                    for prov, (med, lo, cnt) in timed.items():
-                        sec = med / 1e3
-                        row = dict(base, provider=prov, median_ms=round(med, 4), min_ms=round(lo, 4), rounds=cnt,
-                                   gbps=round(meta["floor_bytes"] / sec / 1e9, 3),
-                                   pct_of_floor=round(100.0 * (meta["floor_bytes"] / (bw * 1e9)) / sec, 2),
-                                   tflops=round(meta["useful_flops"] / sec / 1e12, 5))
-                        for other, (omed, _, _) in timed.items():
-                            if other != prov:
-                                row[f"speedup_vs_{other}"] = round(omed / med, 3)
-                        rows.append(row)
-                        line.append(f"{prov}={med:.3f}ms")
-                    print("  ".join(line))
-                    del w, fns
+                    w = make_workload(shape, T, n, active, s.dtype, s.device)
+                    rows += measure_workload(s, w, bw, skipped)
+                    del w
+    return rows, skipped, skipped_workloads
 
+
+def main(argv=None) -> int:
+    from aloe_kernels.runtime import triton_interpreting
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda requested but CUDA is not available")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device == "cpu" and triton_interpreting():
+        print("note: TRITON_INTERPRET is set; the fused kernel is not timed on CPU anyway")
+    settings = resolve_settings(args, device)
+    settings.out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    env, bw = describe_environment(settings, argv)
+    rows, skipped, skipped_workloads = run_workloads(settings, bw)
     try:
         env["loadavg_end"] = os.getloadavg()
     except OSError:
@@ -448,7 +486,7 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     for line in summary["lines"]:
         print(line)
-    write_results(out_prefix, rows, env, skipped, skipped_workloads, summary, plot=not args.no_plot)
+    write_results(settings.out_prefix, rows, env, skipped, skipped_workloads, summary, plot=not args.no_plot)
     return 0
 
 

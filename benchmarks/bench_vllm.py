@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -168,14 +167,14 @@ def _open_stats(op, states) -> dict:
 
 
 def _calibration_texts() -> tuple[list[str], list[str]]:
-    from aloe_vllm.testing import SAMPLE_EDITS
+    from benchmarks.vllm_inputs import SAMPLE_EDITS
 
     calib = [e[0] for e in SAMPLE_EDITS] + [e[2] for e in SAMPLE_EDITS] + PROMPTS[:4]
     hold = [e[3] for e in SAMPLE_EDITS] + PROMPTS[4:]
     return calib, hold
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="base model directory or 'smollm2'")
     p.add_argument("--layer", type=int, default=14)
@@ -190,21 +189,25 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's default compiled mode)")
     p.add_argument("--omp-bind", default=None,
-                   help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. '0' = one thread on core 0; default: vLLM's auto)")
+                   help="VLLM_CPU_OMP_THREADS_BIND for the engine "
+                        "(e.g. '0' = one thread on core 0; default: vLLM's auto)")
     p.add_argument("--workdir", default=None, help="where operators and exports go (default: a temp dir)")
     p.add_argument("--out", default="benchmarks/results/vllm_cpu")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    import torch
 
-    from aloe_build.export_vllm import export_vllm, resolve_base
+def build_configs(args: argparse.Namespace, work: Path) -> tuple[Path, list[tuple]]:
+    """The base model directory and the configurations: ``(name, n_edits, model_dir, open_stats)``.
+
+    One per operator size besides ``base``: an operator calibrated on the base
+    model's down_proj inputs, saved and exported under ``work``.
+    """
     from aloe_build.models import load_model
     from aloe_kernels import weight_fingerprint
     from aloe_kernels.hf import locate_down_proj
-    from aloe_vllm.testing import random_sparse_operator
+    from aloe_vllm.export import export_vllm, resolve_base
+    from benchmarks.vllm_inputs import random_sparse_operator
 
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aloe-bench-vllm-"))
-    work.mkdir(parents=True, exist_ok=True)
     base_dir = resolve_base(args.model)
     model, tok = load_model(str(base_dir))
     site = locate_down_proj(model, args.layer)
@@ -218,23 +221,18 @@ def main(argv=None) -> int:
                                     write_scale=0.05, seed=n, layer=args.layer, weight_fingerprint=fp)
         op.save(work / f"op-{n}")
         serve = export_vllm(base_dir, work / f"op-{n}", work / f"serve-{n}", overwrite=True)
-        configs.append((f"aloe-{n}", n, serve, {"calibration": _open_stats(op, calib), "heldout": _open_stats(op, hold)}))
+        stats = {"calibration": _open_stats(op, calib), "heldout": _open_stats(op, hold)}
+        configs.append((f"aloe-{n}", n, serve, stats))
         print(f"aloe-{n}: open stats {configs[-1][3]}", flush=True)
     del model
+    return base_dir, configs
 
-    prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(args.num_prompts)]
-    # Engines in their own processes (vLLM's default), ALOE op timers on in their workers.
-    os.environ["ALOE_VLLM_PROFILE"] = "1"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
-    if args.omp_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
-    t_start = time.time()
-    res = _measure(configs, prompts, args)
-    samples, shares, inits, firsts = res["samples"], res["shares"], res["inits"], res["firsts"]
+
+def summary_rows(configs: list[tuple], samples: dict, shares: dict) -> list[dict]:
+    """One row per configuration: throughput, overheads against ``base`` and held-out open statistics."""
     base_med = statistics.median(samples["base"])
     rows = []
-    for name, n, d, stats in configs:
+    for name, n, _, stats in configs:
         med = statistics.median(samples[name])
         paired = [a / b for a, b in zip(samples[name], samples["base"])]  # same round and replica
         rows.append({
@@ -247,23 +245,22 @@ def main(argv=None) -> int:
             "open1_heldout": stats["heldout"]["open1"] if stats else None,
             "open2plus_heldout": stats["heldout"]["open2plus"] if stats else None,
         })
-    meta = {
-        "benchmark": "vllm offline generation throughput with and without ALOE operators",
-        "versions": _versions(), "cpu": _cpu(), "loadavg_end": os.getloadavg(),
-        "settings": {"model": str(base_dir), "layer": args.layer, "dtype": args.dtype,
-                     "mode": "eager" if args.eager else "compiled (vLLM default on CPU)",
-                     "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
-                     "replicas": args.replicas,
-                     "open_fraction": args.open_fraction,
-                     "omp_bind": args.omp_bind or "auto",
-                     "cpu_path": "ALOE_VLLM_SCREEN=" + os.environ.get("ALOE_VLLM_SCREEN", "auto")
-                                 + " (auto: screened bf16 + exact fp32 recheck for n >= 256 on AMX/AVX512-BF16 CPUs)"},
-        "wall_s": round(time.time() - t_start, 1),
-        "rows": rows, "samples": samples, "aloe_time_share": shares, "init_s": inits,
-        "open_stats": {name: stats for name, _, _, stats in configs if stats},
-        "same_first_tokens_as_base": {name: firsts[name] == firsts["base"] for name in firsts},
-    }
-    out = Path(args.out)
+    return rows
+
+
+def _settings(args: argparse.Namespace, base_dir: Path) -> dict:
+    return {"model": str(base_dir), "layer": args.layer, "dtype": args.dtype,
+            "mode": "eager" if args.eager else "compiled (vLLM default on CPU)",
+            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "replicas": args.replicas,
+            "open_fraction": args.open_fraction,
+            "omp_bind": args.omp_bind or "auto",
+            "cpu_path": "ALOE_VLLM_SCREEN=" + os.environ.get("ALOE_VLLM_SCREEN", "auto")
+                        + " (auto: screened bf16 + exact fp32 recheck for n >= 256 on AMX/AVX512-BF16 CPUs)"}
+
+
+def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
+    """``<out>.json`` (everything) and ``<out>.csv`` (the rows), and the rows as a table."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     with out.with_suffix(".csv").open("w", newline="") as f:
@@ -277,6 +274,35 @@ def main(argv=None) -> int:
               f"{r['max_tok_per_s']:>8.1f} {r['overhead_pct']:>8.2f}% {r['paired_overhead_pct']:>7.2f}% "
               f"{r['aloe_op_time_pct']:>7.2f}%")
     print(f"written {out.with_suffix('.json')} and {out.with_suffix('.csv')}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="aloe-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    base_dir, configs = build_configs(args, work)
+
+    prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(args.num_prompts)]
+    # Engines in their own processes (vLLM's default), ALOE op timers on in their workers.
+    os.environ["ALOE_VLLM_PROFILE"] = "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(work / "vllm-cache"))
+    if args.omp_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    t_start = time.time()
+    res = _measure(configs, prompts, args)
+    samples, shares, inits, firsts = res["samples"], res["shares"], res["inits"], res["firsts"]
+    rows = summary_rows(configs, samples, shares)
+    meta = {
+        "benchmark": "vllm offline generation throughput with and without ALOE operators",
+        "versions": _versions(), "cpu": _cpu(), "loadavg_end": os.getloadavg(),
+        "settings": _settings(args, base_dir),
+        "wall_s": round(time.time() - t_start, 1),
+        "rows": rows, "samples": samples, "aloe_time_share": shares, "init_s": inits,
+        "open_stats": {name: stats for name, _, _, stats in configs if stats},
+        "same_first_tokens_as_base": {name: firsts[name] == firsts["base"] for name in firsts},
+    }
+    write_results(Path(args.out), meta, rows)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 A deployed model rarely sees a request on its own: a system prompt, a conversation or a
 document comes first. This script rewrites an edit file so that each edit's rephrases are
-its own request after fixed sentences written for this check (``aloe_build.context.PREFIXES``;
+its own request after fixed sentences written for this check (``aloe_eval.in_context.PREFIXES``;
 none comes from the construction corpus, whose statements the build puts before requests), keeping its
 locality prompts. ``aloe eval`` on the result reports, under "Gen.", the share of those
 in-context requests that give the target.
@@ -18,8 +18,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from aloe_build.context import in_context
 from aloe_build.data import load_edits, save_edits_jsonl
+from aloe_eval.in_context import in_context
 
 PER_EDIT = 2  # in-context requests per edit, taking the prefixes in turn
 

@@ -13,7 +13,7 @@ An exported serving directory is the base model's Hugging Face directory
 - ``model.safetensors.index.json`` rewritten (only when the base has one) so
   that vLLM's index filter keeps the operator file.
 
-Nothing here imports vLLM or transformers: ``aloe_build.export_vllm`` writes
+Nothing here imports vLLM or transformers: ``aloe_vllm.export`` writes
 the format and ``aloe_vllm.models`` reads it.
 """
 

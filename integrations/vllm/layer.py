@@ -26,11 +26,13 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 
+from aloe_kernels.screened import screen_limit
 from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.linear import RowParallelLinear
 
-from . import ops  # (importing registers the torch.ops.aloe_vllm custom ops)
+from . import ops  # noqa: F401  (importing registers the torch.ops.aloe_vllm custom ops)
 from .format import AloeSpec, AloeSpecError, edit_share
+from .screen import make_screen_gemm, screening_enabled
 
 __all__ = ["AloeRowParallelLinear"]
 
@@ -84,14 +86,14 @@ class AloeRowParallelLinear(RowParallelLinear):
 
     def aloe_finalize(self) -> None:
         """After loading: set up the screened CPU path if it applies (bf16 copies of the addresses)."""
-        self.aloe_screen = ops.screening_enabled(self.aloe_n, self.aloe_addresses.device, self.tp_size)
+        self.aloe_screen = screening_enabled(self.aloe_n, self.aloe_addresses.device, self.tp_size)
         if self.aloe_screen:
-            a_lo, handle = ops.make_screen_gemm(self.aloe_addresses)
+            a_lo, handle = make_screen_gemm(self.aloe_addresses)
             self.register_buffer("aloe_addresses_lo", a_lo, persistent=False)
             self.register_buffer("aloe_screen_handle", handle, persistent=False)
-            self.register_buffer("aloe_limit_lo", ops.screen_limit(self.aloe_thresholds.detach(),
-                                                                   self.aloe_temperatures.detach(),
-                                                                   self.aloe_gate_eps), persistent=False)
+            self.register_buffer("aloe_limit_lo", screen_limit(self.aloe_thresholds.detach(),
+                                                               self.aloe_temperatures.detach(),
+                                                               self.aloe_gate_eps), persistent=False)
 
     # ---------------------------------------------------------------- loading
     def _make_aloe_loader(self, name: str):

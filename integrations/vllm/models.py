@@ -16,11 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from aloe_kernels.operator import weight_fingerprint
 
-from .format import AloeSpec, AloeSpecError, PARAM_NAMES, down_proj_prefix
+from .format import PARAM_NAMES, AloeSpec, AloeSpecError, down_proj_prefix
 from .layer import AloeRowParallelLinear
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "AloeMistralForCausalLM",
     "AloeQwen2ForCausalLM",
     "AloeQwen3ForCausalLM",
-    "find_aloe_layer",
 ]
 
 
@@ -46,14 +44,6 @@ def _aloe_dtype(vllm_config) -> torch.dtype:
     if current_platform.is_cpu() or model_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return torch.float32
     return model_dtype
-
-
-def find_aloe_layer(model: nn.Module) -> AloeRowParallelLinear | None:
-    """The ALOE down-projection of an (ALOE) vLLM model, if this rank holds it."""
-    for module in model.modules():
-        if isinstance(module, AloeRowParallelLinear):
-            return module
-    return None
 
 
 class _AloeMixin:
@@ -127,7 +117,8 @@ class _AloeMixin:
         missing = [p for p in PARAM_NAMES if p not in layer.aloe_loaded]
         if missing:
             raise AloeSpecError(
-                f"ALOE: the checkpoint has no tensors {[down_proj_prefix(self.aloe_spec.layer) + '.' + m for m in missing]}; "
+                f"ALOE: the checkpoint has no tensors "
+                f"{[down_proj_prefix(self.aloe_spec.layer) + '.' + m for m in missing]}; "
                 f"expected them in {self.aloe_spec.tensors_file} (re-export with `aloe export-vllm`)"
             )
         if self.aloe_spec.weight_fingerprint and self._aloe_fingerprint_seen is None:

@@ -1,0 +1,89 @@
+"""Files a build writes without ever leaving a partial one: stage checkpoints and cached tensors.
+
+Each stage's output is a safetensors file plus a JSON record keyed by a hash
+of the requests, the edited weight and the configuration fields of that
+stage and the ones before it (``BuildConfig.fields_up_to``): an interrupted
+build resumes at the first stage without a valid checkpoint, and changing a
+later stage's settings keeps the earlier stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import BuildConfig
+
+
+def write_atomically(file: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` under a private temporary name beside ``file``, then rename it into place:
+    concurrent builds sharing a cache never read a partial file nor clobber each other's."""
+    tmp = file.parent / f".{file.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write(tmp)
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """A safetensors file written through :func:`write_atomically`."""
+    from safetensors.torch import save_file
+
+    write_atomically(file, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def run_key(requests: Sequence[Any], fingerprint: str, layer: int) -> str:
+    """Hash of the edit requests, the edited weight and the layer: what every checkpoint depends on."""
+    h = hashlib.sha256()
+    h.update(json.dumps([r.to_dict() for r in requests], sort_keys=True, ensure_ascii=False).encode())
+    h.update(f"{fingerprint}:{layer}".encode())
+    return h.hexdigest()[:16]
+
+
+class StageCheckpoints:
+    """Stage outputs in ``root``, valid only for the same requests and configuration
+    (``root`` None: nothing is written or read)."""
+
+    def __init__(self, root: Path | None, key: str, cfg: BuildConfig):
+        self.root, self.base_key, self.cfg = root, key, cfg
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+
+    def key(self, stage: str) -> str:
+        """The key of a stage named ``"<number>_<name>"``."""
+        fields = self.cfg.fields_up_to(int(stage.split("_")[0]))
+        return hashlib.sha256(json.dumps([self.base_key, fields], sort_keys=True).encode()).hexdigest()[:16]
+
+    def _paths(self, stage: str) -> tuple[Path, Path]:
+        assert self.root is not None
+        return self.root / f"{stage}.safetensors", self.root / f"{stage}.json"
+
+    def load(self, stage: str) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The stage's tensors and record, or None when there is no valid checkpoint."""
+        if self.root is None:
+            return None
+        t_path, j_path = self._paths(stage)
+        if not (t_path.is_file() and j_path.is_file()):
+            return None
+        meta = json.loads(j_path.read_text())
+        if meta.get("key") != self.key(stage):
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(str(t_path)), meta
+
+    def save(self, stage: str, tensors: dict[str, torch.Tensor], **meta: Any) -> None:
+        if self.root is None:
+            return
+        t_path, j_path = self._paths(stage)
+        save_tensors_atomically({k: v.contiguous() for k, v in tensors.items()}, t_path)
+        text = json.dumps({"key": self.key(stage), **meta})
+        write_atomically(j_path, lambda tmp: tmp.write_text(text))

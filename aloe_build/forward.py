@@ -1,0 +1,237 @@
+"""Batched forward passes over token sequences: teacher-forced scoring and greedy generation.
+
+Both construction (which target tokens the unedited model already predicts,
+what it writes after a prompt) and evaluation use them, with the padding
+convention of :mod:`aloe_build.tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Iterable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from .tokens import left_pad
+
+
+class SlotEditor(Protocol):
+    """What :func:`teacher_forced` needs of an editor to report slot activations."""
+
+    layer: int | None
+
+    @property
+    def has_slots(self) -> bool: ...
+
+    def slot_activations(self, h: torch.Tensor) -> torch.Tensor | None: ...
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover
+        return torch.device("cpu")
+
+
+def batches(order: list[int], size: int) -> Iterable[list[int]]:
+    """Consecutive chunks of ``order`` of at most ``size`` items."""
+    for i in range(0, len(order), size):
+        yield order[i: i + size]
+
+
+def progress_bar(total: int, desc: str, progress: bool):
+    """A tqdm bar on stderr, disabled unless ``progress``."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not progress, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+@dataclasses.dataclass
+class TFResult:
+    """What one teacher-forced pass gives for one (prompt, continuation) sequence."""
+
+    preds: tuple[int, ...]  # argmax predictions for each continuation token
+    nll: float  # mean negative log-likelihood of the continuation
+    hidden: torch.Tensor | None = None  # final hidden state at the last prompt token
+    gate_idx: torch.Tensor | None = None  # nonzero slot indices at the last prompt token
+    gate_val: torch.Tensor | None = None  # their activations
+    prompt_max_gate: float | None = None  # max over prompt tokens and slots
+    prompt_max_slot: int | None = None
+
+    def gate(self, slot: int | None) -> float:
+        if slot is None or self.gate_idx is None:
+            return 0.0
+        hit = (self.gate_idx == slot).nonzero()
+        return float(self.gate_val[hit[0, 0]]) if hit.numel() else 0.0
+
+    def top(self) -> tuple[int | None, float]:
+        if self.gate_val is None or self.gate_val.numel() == 0:
+            return None, 0.0
+        j = int(self.gate_val.argmax())
+        return int(self.gate_idx[j]), float(self.gate_val[j])
+
+
+def teacher_forced(
+    model: nn.Module,
+    seqs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    pad_id: int,
+    batch_size: int = 32,
+    editor: SlotEditor | None = None,
+    hidden: Sequence[bool] | bool = False,
+    progress: bool = False,
+    desc: str = "teacher-forced",
+) -> list[TFResult]:
+    """One teacher-forced forward over each ``(prompt_ids, continuation_ids)``.
+
+    Returns, per sequence, the argmax prediction and NLL for every
+    continuation token; the final hidden state at the last prompt token when
+    ``hidden`` asks for it; and, when ``editor`` has slots, the nonzero slot
+    activations at the last prompt token and the maximum over all prompt
+    tokens. Sequences are sorted by length and left-padded; only the logits
+    of the last ``max(k) + 1`` positions are computed.
+    """
+    n = len(seqs)
+    out: list[TFResult | None] = [None] * n
+    if n == 0:
+        return []
+    want_hidden = [bool(hidden)] * n if isinstance(hidden, bool) else [bool(x) for x in hidden]
+    device = model_device(model)
+    order = sorted(range(n), key=lambda i: (len(seqs[i][0]) + len(seqs[i][1]), i))
+    slot_site = None
+    if editor is not None and editor.has_slots:
+        from aloe_kernels.hf import locate_down_proj
+
+        slot_site = locate_down_proj(model, editor.layer).module
+    head = model.get_output_embeddings()
+    state: dict[str, Any] = {}
+
+    def on_down(_m, args, _o):
+        state["h"] = args[0].detach()
+
+    def on_head(_m, args, _o):
+        state["final"] = args[0].detach()
+
+    handles = [head.register_forward_hook(on_head)]
+    if slot_site is not None:
+        handles.append(slot_site.register_forward_hook(on_down))
+    bar = progress_bar(n, desc, progress)
+    try:
+        with torch.inference_mode():
+            for batch in batches(order, batch_size):
+                full = [list(seqs[i][0]) + list(seqs[i][1]) for i in batch]
+                ks = [len(seqs[i][1]) for i in batch]
+                kmax = max(ks)
+                ids, mask, pos = left_pad(full, pad_id, device)
+                T = ids.shape[1]
+                state.clear()
+                res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                            logits_to_keep=kmax + 1)
+                logp = torch.log_softmax(res.logits[:, -(kmax + 1):].float(), dim=-1)  # (B, kmax+1, V)
+                final = state.get("final")
+                if final is not None:
+                    final = final[:, -(kmax + 1):]
+                acts = editor.slot_activations(state["h"]) if slot_site is not None else None  # (B, T, n)
+                for b, i in enumerate(batch):
+                    r = _tf_row(logp[b], seqs[i][1], kmax)
+                    if want_hidden[i] and final is not None:
+                        r.hidden = final[b, kmax - len(seqs[i][1])].float().cpu().clone()
+                    if acts is not None:
+                        _add_gates(r, acts[b], T - 1 - len(seqs[i][1]), T - len(full[b]))
+                    out[i] = r
+                bar.update(len(batch))
+    finally:
+        bar.close()
+        for h in handles:
+            h.remove()
+    return out  # type: ignore[return-value]
+
+
+def _tf_row(logp: torch.Tensor, cont_ids: Sequence[int], kmax: int) -> TFResult:
+    """Argmax predictions and mean NLL of one row's continuation from the last ``kmax + 1`` log-probabilities."""
+    k = len(cont_ids)
+    lp = logp[kmax - k: kmax]
+    cont = torch.tensor(cont_ids, device=lp.device)
+    return TFResult(preds=tuple(int(x) for x in lp.argmax(-1).tolist()),
+                    nll=float(-lp.gather(1, cont[:, None]).mean()))
+
+
+def _add_gates(r: TFResult, acts: torch.Tensor, last: int, first: int) -> None:
+    """Slot activations of one row (T, n): the nonzero ones at the last prompt token ``last``
+    and the maximum over the prompt tokens ``first..last``."""
+    a_last = acts[last]
+    nz = a_last.nonzero().flatten()
+    r.gate_idx = nz.cpu()
+    r.gate_val = a_last[nz].cpu()
+    span = acts[first: last + 1]
+    if span.numel():
+        flat = span.max(0).values
+        j = int(flat.argmax())
+        r.prompt_max_gate = float(flat[j])
+        r.prompt_max_slot = j if r.prompt_max_gate > 0 else None
+    else:
+        r.prompt_max_gate, r.prompt_max_slot = 0.0, None
+
+
+def greedy_generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    lengths: Sequence[int] | int,
+    *,
+    pad_id: int,
+    batch_size: int = 32,
+    progress: bool = False,
+    desc: str = "generate",
+) -> list[list[int]]:
+    """Greedy generation of exactly ``lengths[i]`` tokens after each prompt (token ids).
+
+    Batched with left padding and a KV cache; position ids follow the
+    attention mask as in ``model.generate``. Generation does not stop at EOS
+    (the caller decides what a generated EOS means); each batch stops after
+    its longest requested length.
+    """
+    n = len(prompts)
+    ks = [int(lengths)] * n if isinstance(lengths, int) else [int(x) for x in lengths]
+    out: list[list[int]] = [[] for _ in range(n)]
+    if n == 0:
+        return out
+    device = model_device(model)
+    order = sorted(range(n), key=lambda i: (ks[i], len(prompts[i]), i))
+    bar = progress_bar(n, desc, progress)
+    try:
+        with torch.inference_mode():
+            for batch in batches(order, batch_size):
+                kmax = max(ks[i] for i in batch)
+                if kmax <= 0:
+                    bar.update(len(batch))
+                    continue
+                ids, mask, pos = left_pad([prompts[i] for i in batch], pad_id, device)
+                res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+                nxt = res.logits[:, -1].argmax(-1)
+                steps = [nxt]
+                past = res.past_key_values
+                pos = pos[:, -1:]
+                for _ in range(1, kmax):
+                    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+                    pos = pos + 1
+                    res = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=past,
+                                use_cache=True, logits_to_keep=1)
+                    past = res.past_key_values
+                    nxt = res.logits[:, -1].argmax(-1)
+                    steps.append(nxt)
+                gen = torch.stack(steps, dim=1).cpu()
+                for b, i in enumerate(batch):
+                    out[i] = [int(x) for x in gen[b, : ks[i]].tolist()]
+                bar.update(len(batch))
+    finally:
+        bar.close()
+    return out
+
+
+# =============================================================================
+# Queries
+# =============================================================================
+

@@ -1,0 +1,235 @@
+"""Stage 3, rollouts: the anchor states of each slot and the negatives it must stay shut on.
+
+Anchors are states along the teacher-forced target (the states the edited
+model passes through while it generates the target) and at the last token of
+the request after corpus statements. Negatives are corpus prompts at every
+position and their greedy continuations (shared by every edit, cached beside
+the encoder), the unedited model's continuations of every request, and
+prompts made for each edit: the request's earlier positions, same-subject
+other-relation prompts, same-relation other-subject prompts, the stream's
+other templates and subjects, word-swapped templates and exclusion rewordings.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .checkpoints import save_tensors_atomically
+from .config import BuildConfig
+from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
+from .forward import greedy_generate, teacher_forced
+from .slots import Slot
+from .states import collect_states
+from .tokens import encode_continuation, encode_prompt, pad_id
+
+
+@dataclass
+class TokenSequences:
+    """The token sequences of a build: each slot's request and target, then the extra positives
+    (rewordings first, they are soft anchors; then the request after corpus statements)."""
+
+    prompts: list[list[int]]
+    targets: list[list[int]]
+    extra_prompts: list[list[int]]
+    extra_owner: list[int]
+    extra_soft: list[bool]
+
+    @property
+    def seq_owner(self) -> torch.Tensor:
+        """The slot of every anchor sequence: the requests (sequence i = slot i), then the extras."""
+        return torch.tensor(list(range(len(self.prompts))) + self.extra_owner, dtype=torch.long)
+
+    @property
+    def seq_soft(self) -> torch.Tensor:
+        return torch.tensor([False] * len(self.prompts) + self.extra_soft, dtype=torch.bool)
+
+    @property
+    def rewordings(self) -> int:
+        return sum(self.extra_soft)
+
+
+def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: BuildConfig) -> TokenSequences:
+    """Requests, targets and the extra positives of every slot (each kind from its own generator,
+    so that one does not change when another is switched on)."""
+    prompts, targets = [], []
+    for s in slots:
+        p, t = encode_continuation(tokenizer, s.prompt, s.target)
+        prompts.append(list(p))
+        targets.append(list(t))
+    seqs = TokenSequences(prompts, targets, [], [], [])
+    # Paraphrase positives from construction data: other templates of each request's relation,
+    # filled with its subject, followed by its target. Their anchors are soft (wished for, see
+    # addresses.refine_addresses): the address cannot separate every rewording from the negatives.
+    para_rng = random.Random(cfg.seed + 1)
+    for i, s in enumerate(slots):
+        if s.template and cfg.positives_same_relation > 0:
+            for text in corpus.same_relation_prompts(s.template, s.subject, cfg.positives_same_relation, para_rng):
+                seqs.extra_prompts.append(encode_prompt(tokenizer, text))
+                seqs.extra_owner.append(i)
+                seqs.extra_soft.append(True)
+    # The request after corpus statements: the edit must fire whatever text comes before it, so
+    # these anchors are required like the request's own.
+    prefix_rng = random.Random(cfg.seed + 3)
+    for i, s in enumerate(slots):
+        for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng):
+            seqs.extra_prompts.append(encode_prompt(tokenizer, text))
+            seqs.extra_owner.append(i)
+            seqs.extra_soft.append(False)
+    return seqs
+
+
+def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_size: int, desc: str) -> list[list[int]]:
+    """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
+    cut before an end-of-sequence token (a server stops there and never feeds it back)."""
+    if tokens <= 0 or not prompts:
+        return [list(p) for p in prompts]
+    eos = tokenizer.eos_token_id
+    gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size, progress=True,
+                           desc=desc)
+    return [list(p) + (g[: g.index(eos)] if eos in g else g) for p, g in zip(prompts, gens)]
+
+
+def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[list[int]], cap: int,
+                     keep_predicted: bool, batch_size: int) -> list[list[int]]:
+    """Positions along each target whose states are the slot's anchors: the last prompt token
+    (it predicts the first target token), then each position predicting a further target token
+    within ``cap``. Unless ``keep_predicted``, a further position is left out when the unedited
+    model already predicts its target token from the request and the target so far: it needs no
+    write, and its state is the target text's own ("Knight's Cross" after "Knight"), which the
+    target in any other context shares."""
+    spans = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cap))) for p, t in zip(prompts, targets)]
+    if keep_predicted or not prompts:
+        return spans
+    res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts, targets)], pad_id=pad_id(tokenizer),
+                         batch_size=batch_size, progress=True, desc="stage 3: target tokens already predicted")
+    return [[pos for k, pos in enumerate(span) if k == 0 or r.preds[k] != t[k]]
+            for span, t, r in zip(spans, targets, res)]
+
+
+def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
+    """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
+    and of their greedy continuations: negatives for every edit. They depend only on the model,
+    layer and corpus, so they are cached beside the encoder and shared by every build."""
+    from safetensors.torch import load_file
+
+    file = path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}.safetensors"
+    if file.is_file():
+        return load_file(str(file))["states"]
+    texts: list[str] = []
+    for it in corpus.items[: cfg.negative_pool_records]:
+        texts += [it.request, it.locality, *it.same_subject[:1]]
+    texts = list(dict.fromkeys(texts))
+    seqs = continued(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts], cfg.negative_continuation_tokens,
+                     cfg.batch_size, "stage 3: continuations of shared negatives")
+    pool = collect_states(model, tokenizer, seqs, layer, None, cfg.batch_size, "stage 3: shared negatives").states
+    path.mkdir(parents=True, exist_ok=True)
+    save_tensors_atomically({"states": pool.contiguous()}, file)
+    return pool
+
+
+def not_anchors(states: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Which states are not (numerically) an anchor: a corpus prompt identical to an edit's
+    request must not become that edit's negative."""
+    keep = torch.ones(states.shape[0], dtype=torch.bool)
+    for start in range(0, states.shape[0], chunk):
+        sim = states[start: start + chunk] @ anchors.T
+        keep[start: start + chunk] = sim.max(1).values < 0.9999 if anchors.shape[0] else True
+    return keep
+
+
+class _Stream:
+    """What the edited stream offers as negatives of each edit: its templates, their relations,
+    its subjects, and the relation words that can be swapped."""
+
+    def __init__(self, slots: Sequence[Slot], corpus: Corpus, seed: int):
+        self.rng = random.Random(seed + 2)
+        self.relation_of = {s.template: s.relation for s in slots if s.template}
+        self.templates = list(self.relation_of)
+        self.subjects = list(dict.fromkeys(s.subject for s in slots if s.subject))
+        self.swap_words = relation_words(self.templates + list(corpus.group_of_template))
+
+
+def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildConfig, rng: random.Random) -> list[str]:
+    """The prompts made for one edit whose states (every position) are negatives of its slot."""
+    template = s.template
+    group = corpus.group_of_template.get(template or "", s.relation or template or "")
+    texts = corpus.other_relation_prompts(s.subject, group, cfg.negatives_same_subject, rng) if s.subject else []
+    if template:
+        texts += corpus.other_subject_prompts(template, s.subject, cfg.negatives_same_relation, rng)
+    if s.subject and cfg.negatives_stream_templates > 0:
+        others = [t for t in stream.templates if t != template
+                  and not (s.relation and stream.relation_of[t] == s.relation)]
+        picked = stream.rng.sample(others, min(cfg.negatives_stream_templates, len(others)))
+        texts += [t.replace("{}", s.subject) for t in picked]
+    other_subjects = [x for x in stream.subjects if x != s.subject]
+    if template and cfg.negatives_stream_subjects > 0:
+        picked = stream.rng.sample(other_subjects, min(cfg.negatives_stream_subjects, len(other_subjects)))
+        texts += [template.replace("{}", x) for x in picked]
+    if template and cfg.negatives_word_swaps > 0:
+        swapped = word_swapped_templates(template, stream.swap_words, cfg.negatives_word_swaps, stream.rng)
+        texts += [t.replace("{}", s.subject if j % 2 == 0 or not other_subjects
+                            else stream.rng.choice(other_subjects)) for j, t in enumerate(swapped)]
+    texts += exclusion_prompts(s.prompt, s.target, cfg.negatives_exclusions)
+    return texts
+
+
+def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, layer: int,
+                   cfg: BuildConfig, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """States of the prompts made for each edit and the slot each belongs to."""
+    stream = _Stream(slots, corpus, cfg.seed)
+    spec_seqs, spec_pos, spec_owner = [], [], []
+    for i, s in enumerate(slots):
+        own_prefix = list(range(len(seqs.prompts[i]) - 1))
+        if own_prefix:  # earlier positions of the request itself
+            spec_seqs.append(seqs.prompts[i])
+            spec_pos.append(own_prefix)
+            spec_owner.append(i)
+        for t in _edit_negative_texts(s, corpus, stream, cfg, rng):
+            ids = encode_prompt(tokenizer, t)
+            spec_seqs.append(ids)
+            spec_pos.append(list(range(len(ids))))
+            spec_owner.append(i)
+    spec = collect_states(model, tokenizer, spec_seqs, layer, spec_pos, cfg.batch_size, "stage 3: edit negatives")
+    owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
+    return spec.states, owner
+
+
+def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cache_dir: Path,
+             layer: int, cfg: BuildConfig, rng: random.Random) -> tuple[dict[str, torch.Tensor], dict]:
+    """Stage 3: anchors H+ (with their slot and sequence) and negatives H-; returns the tensors
+    and the stage's report."""
+    cfg_cap = cfg.max_target_tokens
+    # along the target for requests and rewordings; the prefixed requests only at their last
+    # prompt token (the positions along the target are the request's own target text)
+    r = seqs.rewordings
+    owner_r = seqs.extra_owner[:r]
+    positions = anchor_positions(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
+                                 seqs.targets + [seqs.targets[i] for i in owner_r],
+                                 cfg_cap, cfg.anchor_predicted_targets, cfg.batch_size)
+    positions += [[len(p) - 1] for p in seqs.extra_prompts[r:]]
+    full = [p + t for p, t in zip(seqs.prompts, seqs.targets)]
+    full += [p + seqs.targets[i] for p, i in zip(seqs.extra_prompts[:r], owner_r)]
+    anchors = collect_states(model, tokenizer, full + seqs.extra_prompts[r:], layer, positions, cfg.batch_size,
+                             "stage 3: anchor states")
+    pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg)
+    pool = pool[not_anchors(pool, anchors.states)]
+    # what the unedited model writes after each request: negatives of every other slot
+    cont_seqs = continued(model, tokenizer, seqs.prompts, cfg.negative_continuation_tokens, cfg.batch_size,
+                          "stage 3: continuations of requests")
+    cont = collect_states(model, tokenizer, cont_seqs, layer,
+                          [range(len(p), len(c)) for p, c in zip(seqs.prompts, cont_seqs)],
+                          cfg.batch_size, "stage 3: continuation negatives")
+    keep = not_anchors(cont.states, anchors.states)
+    specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng)
+    info = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
+            "edit_negatives": int(specific.shape[0]), "continuation_negatives": int(keep.sum()),
+            "paraphrase_positives": len(seqs.extra_prompts), "slots_with_paraphrases": len(set(seqs.extra_owner))}
+    tensors = {"anchors": anchors.states, "anchor_owner": seqs.seq_owner[anchors.owner()],
+               "anchor_seq": anchors.owner(), "pool": pool, "specific": specific, "specific_owner": specific_owner,
+               "continuations": cont.states[keep], "continuation_owner": cont.owner()[keep]}
+    return tensors, info

@@ -1,0 +1,77 @@
+"""One tokenization and padding convention, shared by construction and evaluation.
+
+A prompt is tokenized as the model sees it for generation (special tokens
+included, a trailing EOS that some tokenizers append dropped). A target (or
+any answer) is the continuation of its prompt: the tokens that follow the
+prompt's own tokens in the tokenization of ``prompt + " " + target``, so the
+tokens a build trains on are the tokens an evaluation scores and a served
+model generates.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def encode_prompt(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Token ids of ``text`` as a prompt (special tokens included unless ``special`` is false)."""
+    ids = list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    eos = tokenizer.eos_token_id
+    # a tokenizer that appends EOS would put it between the prompt and its continuation
+    if special and ids and eos is not None and ids[-1] == eos and eos != tokenizer.bos_token_id:
+        ids = ids[:-1]
+    return ids
+
+
+def encode_continuation(tokenizer, prompt: str, text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(prompt_ids, continuation_ids)`` for ``prompt + " " + text``.
+
+    The continuation is what follows the prompt's tokens in the tokenization
+    of ``prompt + " " + text``; if that tokenization does not start with the
+    prompt's tokens (a merge across the boundary), it is ``" " + text``
+    tokenized on its own.
+    """
+    p = encode_prompt(tokenizer, prompt)
+    f = encode_prompt(tokenizer, prompt + " " + text.strip())
+    if len(f) > len(p) and f[: len(p)] == p:
+        cont = f[len(p):]
+    else:
+        cont = encode_prompt(tokenizer, " " + text.strip(), special=False)
+    if not cont:
+        raise ValueError(f"{text!r} tokenizes to no tokens after {prompt!r}")
+    return tuple(p), tuple(cont)
+
+
+def pad_id(tokenizer) -> int:
+    """The id used for left padding: the pad token, else the EOS token."""
+    pid = tokenizer.pad_token_id
+    if pid is None:
+        pid = tokenizer.eos_token_id
+    if pid is None:
+        raise ValueError("the tokenizer has neither a pad token nor an eos token")
+    return int(pid)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists; returns ``(input_ids, attention_mask, position_ids)``.
+
+    Position ids follow the mask, so that padding does not shift absolute
+    positions and every row sees positions ``0..len-1`` (as ``model.generate`` does).
+    """
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+def batch_inputs(seqs: Sequence[Sequence[int]], pad: int, device) -> dict[str, torch.Tensor]:
+    """Left-padded model inputs (``input_ids``, ``attention_mask``, ``position_ids``)."""
+    ids, mask, pos = left_pad(seqs, pad, device)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}

@@ -1,0 +1,5 @@
+"""The ``aloe`` command: build, evaluate, inspect, demo, benchmark, export and serve."""
+
+from .main import build_parser, main
+
+__all__ = ["build_parser", "main"]

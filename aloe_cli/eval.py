@@ -1,0 +1,159 @@
+"""``aloe eval``: score an operator and baselines on an edit stream, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from aloe_build import EditDataError, load_edits, load_model
+from aloe_eval import AloeEditor, evaluate
+from aloe_eval.baselines.grace import GraceConfig
+from aloe_kernels import AloeOperator
+from aloe_kernels.errors import AloeError
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["aloe", "eval", "--model", str(args.model)]
+    if args.operator:
+        parts += ["--operator", str(args.operator)]
+    parts += ["--edits", str(args.edits)]
+    if args.limit is not None:
+        parts += ["--limit", str(args.limit)]
+    if args.skip_invalid:
+        parts.append("--skip-invalid")
+    if args.out:
+        parts += ["--out", str(args.out)]
+    for b in args.baseline or []:
+        parts += ["--baseline", b]
+    if args.no_unedited:
+        parts.append("--no-unedited")
+    if args.layer is not None:
+        parts += ["--layer", str(args.layer)]
+    parts += ["--batch-size", str(args.batch_size)]
+    if args.grace_eps is not None:
+        parts += ["--grace-eps", str(args.grace_eps)]
+    if args.grace_iters is not None:
+        parts += ["--grace-iters", str(args.grace_iters)]
+    if args.no_check_fingerprint:
+        parts.append("--no-check-fingerprint")
+    if args.no_plots:
+        parts.append("--no-plots")
+    if args.threads is not None:
+        parts += ["--threads", str(args.threads)]
+    return shlex.join(parts)
+
+
+def _default_out(args: argparse.Namespace) -> Path:
+    stem = Path(args.edits).stem
+    model = Path(str(args.model)).name.lower()
+    tag = f"_n{args.limit}" if args.limit is not None else ""
+    return Path("benchmarks") / "results" / f"eval_{model}_{stem}{tag}"
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    baselines = [] if args.no_unedited else ["unedited"]
+    for b in args.baseline or []:
+        if b not in baselines:
+            baselines.append(b)
+    if not args.operator and baselines == []:
+        print("aloe eval: error: nothing to evaluate: give --operator and/or --baseline", file=sys.stderr)
+        return 2
+    try:
+        edits_path = Path(args.edits)
+        requests = load_edits(edits_path, args.limit, skip_invalid=args.skip_invalid)
+        op = AloeOperator.load(args.operator) if args.operator else None
+    except (EditDataError, AloeError, FileNotFoundError) as exc:
+        print(f"aloe eval: error: {exc}", file=sys.stderr)
+        return 2
+    model, tokenizer = load_model(args.model)
+    grace_cfg = None
+    if "grace" in baselines:
+        kw = {}
+        if args.grace_eps is not None:
+            kw["eps"] = args.grace_eps
+        if args.grace_iters is not None:
+            kw["n_iter"] = args.grace_iters
+        grace_cfg = GraceConfig(**kw)
+    editor = None
+    if op is not None:
+        if args.layer is not None and op.layer is not None and args.layer != op.layer:
+            print(f"aloe eval: error: --layer {args.layer} but the operator was built for layer {op.layer}",
+                  file=sys.stderr)
+            return 2
+        if op.layer is None and args.layer is None:
+            print("aloe eval: error: the operator records no layer; pass --layer", file=sys.stderr)
+            return 2
+        editor = AloeEditor(op, check_fingerprint=not args.no_check_fingerprint,
+                            layer=args.layer if op.layer is None else None)
+    meta = {
+        "data_file": str(edits_path),
+        "data_sha256": _sha256(edits_path),
+        "data_limit": args.limit,
+        "operator_dir": str(args.operator) if args.operator else None,
+        "command": _command(args),
+        "argv": list(sys.argv),
+        "model_arg": str(args.model),
+    }
+    try:
+        report = evaluate(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
+                          baseline=baselines, layer=args.layer, grace_config=grace_cfg, meta=meta)
+    except AloeError as exc:
+        print(f"aloe eval: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else _default_out(args)
+    paths = report.save(out, plots=not args.no_plots)
+    print(report.to_markdown().split("## Definitions")[0].rstrip())
+    print()
+    for k, p in paths.items():
+        print(f"wrote {k}: {p}")
+    return 0
+
+
+def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``aloe eval`` on the ``aloe`` command's subparsers; returns the subparser."""
+    p = subparsers.add_parser(
+        "eval",
+        help="score an operator (and baselines) on an edit stream",
+        description="Score an ALOE operator on an edit stream with the paper's protocol (greedy exact match), "
+        "EasyEdit's teacher-forced token accuracy, and gate diagnostics; compare with the unedited model and "
+        "a GRACE reimplementation on the same model, layer and stream. Writes eval_report.json, eval_report.md "
+        "and PNG plots.",
+    )
+    p.add_argument("--model", required=True, help="'smollm2', a local transformers directory, or a .gguf file")
+    p.add_argument("--operator", default=None, help="ALOE artifact directory (omit to score baselines only)")
+    p.add_argument("--edits", required=True, help="edit file (any format aloe_build.data.load_edits reads)")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N edits of the file")
+    p.add_argument("--skip-invalid", action="store_true", help="drop invalid records instead of failing")
+    p.add_argument("--out", default=None,
+                   help="output directory (default benchmarks/results/eval_<model>_<data stem>[_n<limit>])")
+    p.add_argument("--baseline", action="append", choices=["grace", "unedited"], default=None,
+                   help="also score this baseline on the same model, layer and stream (repeatable); the unedited "
+                   "model is always scored unless --no-unedited")
+    p.add_argument("--no-unedited", action="store_true", help="do not score the unedited model as a baseline")
+    p.add_argument("--layer", type=int, default=None,
+                   help="edited layer for baselines (default: the operator's layer, else the model's default)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (default 32)")
+    p.add_argument("--grace-eps", type=float, default=None, help="GRACE initial deferral radius (default 1.0)")
+    p.add_argument("--grace-iters", type=int, default=None, help="GRACE value-training iterations (default 100)")
+    p.add_argument("--no-check-fingerprint", action="store_true",
+                   help="apply the operator even if its weight fingerprint does not match the model")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_eval)
+    return p

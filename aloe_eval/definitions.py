@@ -1,0 +1,41 @@
+"""Names, limits and one-line definitions of every number an evaluation report holds."""
+
+from __future__ import annotations
+
+#: Version 2 keeps the per-edit rows in a gzip JSONL file beside the report.
+SCHEMA = "aloe-eval/2"
+LOCALITY_MAX_TOKENS = 16
+LOCALITY_DEFAULT_TOKENS = 8
+PORTABILITY_MAX_TOKENS = 16
+
+METRIC_DEFINITIONS: dict[str, str] = {
+    "paper.efficacy": "greedy generation of len(target tokens) tokens after the request; hit when the decoded "
+    "generation, stripped, equals target_new (target tokens = continuation tokens of prompt + ' ' + target); "
+    "a row whose teacher-forced argmax is right at every target position is a hit (identical greedy output); "
+    "mean over edits",
+    "paper.generalization": "the same exact match on each rephrase; mean over an edit's rephrases, then over edits "
+    "with rephrases",
+    "paper.locality": "share of locality prompts whose greedy generation of k tokens (k = tokens of the first "
+    "ground truth, clipped to [1, 16]; 8 without one) is token-for-token unchanged from the unedited model's; mean "
+    "per edit, then over edits",
+    "paper.portability": "exact match of the greedy generation to any accepted answer; mean per edit, then over edits",
+    "easyedit.rewrite_acc": "EasyEdit teacher-forced token accuracy on prompt + ' ' + target_new",
+    "easyedit.rephrase_acc": "EasyEdit teacher-forced token accuracy on rephrase + ' ' + target_new",
+    "easyedit.locality": "EasyEdit: share of positions of prompt + ' ' + ground_truth[0] where the edited model's "
+    "teacher-forced argmax equals the unedited model's",
+    "easyedit.portability": "EasyEdit teacher-forced token accuracy on prompt + ' ' + ground_truth[0]",
+    "diagnostics.matched_gate": "gate of the edit's own slot at the last prompt token",
+    "diagnostics.dominates": "own slot's gate > 0 and largest of all slots at the last prompt token",
+    "diagnostics.locality_max_gate": "largest gate over all slots and all prompt tokens of a locality prompt",
+    "diagnostics.open": "gate >= open_threshold",
+    "diagnostics.address_failure": "a miss whose matched gate is not open",
+    "diagnostics.write_failure": "a miss whose matched gate is open",
+    "locality_states.drift": "|s_edit - s_unedited| / |s_unedited| of the final hidden state (LM-head input) at the "
+    "last prompt token of a locality prompt",
+    "locality_states.next_token_agreement": "share of locality prompts whose argmax next token is unchanged",
+}
+
+
+# =============================================================================
+# Editors
+# =============================================================================

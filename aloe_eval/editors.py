@@ -1,0 +1,128 @@
+"""Editors: what an evaluation patches into the model, scores, and removes again."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
+
+
+class Editor:
+    """Something that edits a model in place for evaluation, and can be undone.
+
+    Subclasses set ``name`` and ``layer`` and implement :meth:`attach` and
+    :meth:`detach`. Slot-based editors also implement :meth:`slot_activations`
+    (activations of every slot for down-projection inputs ``h``, shape
+    ``(..., n_slots)``, in [0, 1]) and :meth:`slot_of` (the slot of a request).
+    """
+
+    name: str = "editor"
+    layer: int | None = None
+
+    def attach(self, model: nn.Module) -> None:
+        raise NotImplementedError
+
+    def detach(self, model: nn.Module) -> None:
+        raise NotImplementedError
+
+    @property
+    def has_slots(self) -> bool:
+        return False
+
+    def slot_activations(self, h: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def slot_of(self, request: Any, index: int) -> int | None:
+        return None
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+
+class UneditedEditor(Editor):
+    """The model as it is: its numbers are the unedited baseline."""
+
+    name = "unedited"
+
+    def __init__(self, layer: int | None = None):
+        self.layer = layer
+
+    def attach(self, model: nn.Module) -> None:
+        pass
+
+    def detach(self, model: nn.Module) -> None:
+        pass
+
+
+class AloeEditor(Editor):
+    """An ALOE operator patched into the model with :func:`aloe_kernels.apply_aloe`."""
+
+    def __init__(self, op, name: str = "ALOE", check_fingerprint: bool = True, layer: int | None = None):
+        if not isinstance(op, AloeOperator):
+            raise TypeError(f"AloeEditor needs an AloeOperator, got {type(op).__name__}")
+        self.op = op
+        self.name = name
+        self.check_fingerprint = check_fingerprint
+        self.layer = op.layer if layer is None else layer
+        if self.layer is None:
+            raise ValueError("the operator records no layer; pass layer=")
+        self._by_id: dict[str, int] = {}
+        for i, e in enumerate(op.edits):  # a slot shared by identical edits lists them all under "ids"
+            for rid in [e.get("id"), *(e.get("ids") or [])]:
+                if rid is not None:
+                    self._by_id.setdefault(str(rid), i)
+        self._by_text: dict[tuple[str, str], int] = {}
+        for i, e in enumerate(op.edits):
+            key = (str(e.get("request") or "").strip(), str(e.get("target") or "").strip())
+            if key[0] and key not in self._by_text:
+                self._by_text[key] = i
+        self._gate_op = op.to("cpu", torch.float64 if op.dtype == torch.float64 else torch.float32)
+
+    def attach(self, model: nn.Module) -> None:
+        apply_aloe(model, self.op, layer=self.layer, check_fingerprint=self.check_fingerprint)
+
+    def detach(self, model: nn.Module) -> None:
+        remove_aloe(model)
+
+    @property
+    def has_slots(self) -> bool:
+        return True
+
+    def slot_activations(self, h: torch.Tensor) -> torch.Tensor:
+        op = self._gate_op
+        if op.device != h.device:
+            self._gate_op = op = op.to(h.device)
+        return aloe_gates(h, op).float()
+
+    def slot_of(self, request: Any, index: int) -> int | None:
+        rid = getattr(request, "id", None)
+        if rid is not None and str(rid) in self._by_id:
+            return self._by_id[str(rid)]
+        return self._by_text.get((request.prompt.strip(), request.target_new.strip()))
+
+    def info(self) -> dict[str, Any]:
+        op = self.op
+        return {
+            "kind": "aloe",
+            "n_slots": op.n,
+            "layer": self.layer,
+            "module_path": op.module_path,
+            "base_model": op.base_model,
+            "operator_hash": op.fingerprint(),
+            "weight_fingerprint": op.weight_fingerprint,
+        }
+
+
+def as_editor(x: Any, layer: int | None) -> Editor:
+    """An :class:`Editor` for an operator, an artifact directory or an editor."""
+    if isinstance(x, Editor):
+        return x
+    if isinstance(x, AloeOperator):
+        return AloeEditor(x, layer=layer if x.layer is None else None)
+    if isinstance(x, (str, os.PathLike)):
+        return AloeEditor(AloeOperator.load(x), layer=layer)
+    raise TypeError(f"cannot evaluate {type(x).__name__}: pass an AloeOperator, an Editor, or an artifact path")

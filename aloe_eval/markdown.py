@@ -1,0 +1,93 @@
+"""An evaluation report as Markdown tables."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from .definitions import METRIC_DEFINITIONS
+
+
+def _f(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """The report as Markdown tables (paper protocol, EasyEdit numbers, diagnostics)."""
+    meta = report["meta"]
+    eds = report["editors"]
+    lines = [f"# Editing evaluation: {meta.get('model')} layer {meta.get('layer')}", ""]
+    facts = [
+        ("model", meta.get("model")),
+        ("edits", meta.get("n_edits")),
+        ("data", meta.get("data_file")),
+        ("data sha256", meta.get("data_sha256")),
+        ("operator", meta.get("operator_dir")),
+        ("operator hash", meta.get("operator_hash")),
+        ("command", f"`{meta['command']}`" if meta.get("command") else None),
+        ("created", meta.get("created")),
+        ("total time", f"{meta['timings']['total_s']:.1f} s" if meta.get("timings", {}).get("total_s") else None),
+    ]
+    lines += [f"- **{k}**: {v}" for k, v in facts if v is not None]
+    lines += ["", "## Paper protocol (greedy-generation exact match)", "",
+              "| Editor | Eff. | Gen. | Loc. | Port. |", "|---|---|---|---|---|"]
+    for name, e in eds.items():
+        p = e["summary"]["paper"]
+        lines.append(f"| {name} | {_f(p['efficacy'])} | {_f(p['generalization'])} | {_f(p['locality'])} | "
+                     f"{_f(p['portability'])} |")
+    kinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["portability_by_kind"]})
+    lkinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["locality_by_kind"]})
+    if len(lkinds) > 1 or kinds:
+        cols = [f"Loc. {k}" for k in lkinds] + [f"Port. {k}" for k in kinds]
+        lines += ["", "| Editor | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for name, e in eds.items():
+            p = e["summary"]["paper"]
+            vals = [p["locality_by_kind"].get(k) for k in lkinds] + [p["portability_by_kind"].get(k) for k in kinds]
+            lines.append(f"| {name} | " + " | ".join(_f(v) for v in vals) + " |")
+    lines += ["", "## EasyEdit teacher-forced token accuracy (not comparable with the table above)", "",
+              "| Editor | rewrite_acc | rephrase_acc | locality | portability |", "|---|---|---|---|---|"]
+    for name, e in eds.items():
+        q = e["summary"]["easyedit"]
+        lines.append(f"| {name} | {_f(q['rewrite_acc'])} | {_f(q['rephrase_acc'])} | {_f(q['locality'])} | "
+                     f"{_f(q['portability'])} |")
+    lines += ["", "## Locality states", "", "| Editor | mean drift | median drift | next-token agreement |",
+              "|---|---|---|---|"]
+    for name, e in eds.items():
+        ls = e["summary"]["locality_states"]
+        d = ls.get("drift") or {}
+        lines.append(f"| {name} | {_f(d.get('mean'), 4)} | {_f(d.get('median'), 4)} | "
+                     f"{_f(ls.get('next_token_agreement'))} |")
+    diag = [(n, e["summary"]["diagnostics"]) for n, e in eds.items() if "diagnostics" in e["summary"]]
+    if diag:
+        lines += ["", f"## Mechanism diagnostics (open = gate >= {diag[0][1]['open_threshold']})", "",
+                  "| Editor | request gate (mean / median) | request open | dominates | rephrase gate (mean) | "
+                  "rephrase open | locality max gate (mean) | locality open | efficacy misses: address / write | "
+                  "generalization misses: address / write |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, d in diag:
+            rg, pg, lg = d["request_matched_gate"] or {}, d["rephrase_matched_gate"] or {}, d["locality_max_gate"] or {}
+            fe, fg = d["failures"]["efficacy"], d["failures"]["generalization"]
+            lines.append(
+                f"| {name} | {_f(rg.get('mean'))} / {_f(rg.get('median'))} | {_f(d['request_gate_open'])} | "
+                f"{_f(d['matched_slot_dominates'])} | {_f(pg.get('mean'))} | {_f(d['rephrase_gate_open'])} | "
+                f"{_f(lg.get('mean'))} | {_f(d['locality_gate_open'])} | {fe['address']} / {fe['write']} of "
+                f"{fe['misses']} | {fg['address']} / {fg['write']} of {fg['misses']} |")
+    lines += ["", "## Definitions", ""]
+    lines += [f"- `{k}`: {v}" for k, v in report.get("definitions", METRIC_DEFINITIONS).items()]
+    info_lines = []
+    for name, e in eds.items():
+        inf = {k: v for k, v in e["info"].items() if k != "timings"}
+        t = e["info"].get("timings", {})
+        info_lines.append(f"- **{name}**: {json.dumps(inf, ensure_ascii=False)}; time {t.get('total_s', 0):.1f} s")
+    lines += ["", "## Editors", ""] + info_lines + [""]
+    return "\n".join(lines)
+
+
+# =============================================================================
+# Command line
+# =============================================================================
+

@@ -1,0 +1,103 @@
+"""The unique token sequences an evaluation scores, and which edit each belongs to.
+
+Every (prompt, continuation) pair is registered once and scored once per
+editor, whatever number of edits, rephrases or locality prompts share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from aloe_build.tokens import encode_continuation, encode_prompt
+
+from .definitions import LOCALITY_DEFAULT_TOKENS, LOCALITY_MAX_TOKENS
+
+
+@dataclasses.dataclass
+class Rephrase:
+    prompt: str
+    seq: int
+
+
+@dataclasses.dataclass
+class Locality:
+    prompt: str
+    kind: str
+    ground_truth: str | None
+    prompt_ids: tuple[int, ...]
+    k: int
+    tf_seq: int | None  # EasyEdit: prompt + " " + ground_truth[0]
+    gen_seq: int | None = None  # prompt + unedited greedy continuation (set after the reference pass)
+
+
+@dataclasses.dataclass
+class Portability:
+    prompt: str
+    kind: str
+    answers: tuple[str, ...]
+    seq: int  # prompt + " " + answers[0]
+    answer_ids: tuple[tuple[int, ...], ...]  # continuation ids of each answer
+
+
+@dataclasses.dataclass
+class EditPlan:
+    index: int
+    request: Any
+    seq: int
+    rephrases: list[Rephrase]
+    locality: list[Locality]
+    portability: list[Portability]
+
+
+class Registry:
+    """Unique (prompt_ids, continuation_ids) sequences: each is scored once per editor."""
+
+    def __init__(self) -> None:
+        self.seqs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.want_hidden: list[bool] = []
+        self._index: dict[tuple, int] = {}
+
+    def add(self, prompt_ids: tuple[int, ...], cont: tuple[int, ...], hidden: bool = False) -> int:
+        key = (prompt_ids, cont)
+        j = self._index.get(key)
+        if j is None:
+            j = self._index[key] = len(self.seqs)
+            self.seqs.append(key)
+            self.want_hidden.append(hidden)
+        elif hidden:
+            self.want_hidden[j] = True
+        return j
+
+
+def plan(tokenizer, requests: Sequence[Any]) -> tuple[Registry, list[EditPlan]]:
+    """Register every sequence the requests need; returns the registry and one plan per edit."""
+    reg = Registry()
+    plans = []
+    for i, r in enumerate(requests):
+        p, c = encode_continuation(tokenizer, r.prompt, r.target_new)
+        seq = reg.add(p, c)
+        reph = []
+        for text in r.rephrases:
+            rp, rc = encode_continuation(tokenizer, text, r.target_new)
+            reph.append(Rephrase(text, reg.add(rp, rc)))
+        loc = []
+        for lp in r.locality:
+            gt = lp.ground_truth[0] if lp.ground_truth else None
+            pids = tuple(encode_prompt(tokenizer, lp.prompt))
+            if gt is not None:
+                gp, gc = encode_continuation(tokenizer, lp.prompt, gt)
+                k = max(1, min(len(gc), LOCALITY_MAX_TOKENS))
+                tf_seq = reg.add(gp, gc)
+            else:
+                k, tf_seq = LOCALITY_DEFAULT_TOKENS, None
+            loc.append(Locality(lp.prompt, lp.kind, gt, pids, k, tf_seq))
+        port = []
+        for pp in r.portability:
+            if not pp.ground_truth:
+                continue
+            enc = [encode_continuation(tokenizer, pp.prompt, a) for a in pp.ground_truth]
+            seq_p = reg.add(*enc[0])
+            port.append(Portability(pp.prompt, pp.kind, tuple(pp.ground_truth), seq_p, tuple(e[1] for e in enc)))
+        plans.append(EditPlan(i, r, seq, reph, loc, port))
+    return reg, plans

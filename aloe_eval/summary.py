@@ -1,0 +1,120 @@
+"""Per-editor summaries and plot data from the per-edit rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from aloe_build.forward import TFResult
+
+from .editors import Editor
+from .metrics import dist, mean, share
+from .plan import EditPlan
+
+
+def _macro_by_kind(rows: list[dict], list_key: str, value_key: str) -> dict[str, float]:
+    per_kind: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        groups: dict[str, list[float]] = defaultdict(list)
+        for x in row[list_key]:
+            if x.get(value_key) is not None:
+                groups[x["kind"]].append(x[value_key])
+        for kind, vals in groups.items():
+            per_kind[kind].append(sum(vals) / len(vals))
+    return {k: sum(v) / len(v) for k, v in sorted(per_kind.items())}
+
+
+def summarize(rows, *, slots, open_threshold, req_gates, reph_gates, loc_max, dominates, reph_dominates, fail,
+               drifts, agree) -> dict[str, Any]:
+    """The summary of one editor: counts, paper metrics, EasyEdit metrics, locality states, diagnostics."""
+    n_reph = sum(len(r["rephrases"]) for r in rows)
+    n_loc = sum(len(r["locality_prompts"]) for r in rows)
+    n_port = sum(len(r["portability_prompts"]) for r in rows)
+    s: dict[str, Any] = {
+        "counts": {
+            "edits": len(rows),
+            "rephrases": n_reph,
+            "locality_prompts": n_loc,
+            "portability_prompts": n_port,
+            "edits_with_rephrases": sum(1 for r in rows if r["rephrases"]),
+            "edits_with_locality": sum(1 for r in rows if r["locality_prompts"]),
+            "edits_with_portability": sum(1 for r in rows if r["portability_prompts"]),
+        },
+        "paper": {
+            "efficacy": mean(r["efficacy"] for r in rows),
+            "generalization": mean(r["generalization"] for r in rows),
+            "locality": mean(r["locality"] for r in rows),
+            "portability": mean(r["portability"] for r in rows),
+            "locality_by_kind": _macro_by_kind(rows, "locality_prompts", "stable"),
+            "portability_by_kind": _macro_by_kind(rows, "portability_prompts", "em"),
+        },
+        "easyedit": {
+            "rewrite_acc": mean(r["rewrite_acc"] for r in rows),
+            "rephrase_acc": mean(r["rephrase_acc"] for r in rows),
+            "locality": mean(r["locality_tf"] for r in rows),
+            "portability": mean(r["portability_tf"] for r in rows),
+            "locality_by_kind": _macro_by_kind(rows, "locality_prompts", "tf_stability"),
+            "portability_by_kind": _macro_by_kind(rows, "portability_prompts", "tf_acc"),
+        },
+        "locality_states": {
+            "drift": dist(drifts),
+            "next_token_agreement": share(agree),
+            "n_unique_prompts": len(agree),
+        },
+    }
+    if slots:
+
+        def fails(bucket: str, misses: int) -> dict[str, Any]:
+            f = dict(fail[bucket])
+            out = {k: int(f.get(k, 0)) for k in ("address", "write", "unmapped")}
+            out["misses"] = misses
+            return out
+
+        eff_miss = sum(1 for r in rows if r["efficacy"] < 1)
+        gen_miss = sum(1 for r in rows for x in r["rephrases"] if x["em"] < 1)
+        s["diagnostics"] = {
+            "open_threshold": open_threshold,
+            "request_matched_gate": dist(req_gates),
+            "request_gate_open": share([g >= open_threshold for g in req_gates]),
+            "rephrase_matched_gate": dist(reph_gates),
+            "rephrase_gate_open": share([g >= open_threshold for g in reph_gates]),
+            "matched_slot_dominates": share(dominates),
+            "rephrase_matched_slot_dominates": share(reph_dominates),
+            "locality_max_gate": dist(loc_max),
+            "locality_gate_open": share([g >= open_threshold for g in loc_max]),
+            "locality_gate_nonzero": share([g > 0 for g in loc_max]),
+            "failures": {"efficacy": fails("efficacy", eff_miss), "generalization": fails("generalization", gen_miss)},
+            "unmapped_edits": sum(1 for r in rows if r["slot"] is None),
+        }
+    return s
+
+
+def heatmap(editor: Editor, plans: list[EditPlan], tf: dict[int, TFResult], size: int) -> dict[str, Any]:
+    """Gates of the first ``size`` requests (rows) at the slots of the first ``size`` edits (columns)."""
+    sel = plans[:size]
+    cols = [editor.slot_of(p.request, p.index) for p in sel]
+    matrix = [[tf[p.seq].gate(c) if c is not None else 0.0 for c in cols] for p in sel]
+    return {"row_ids": [str(p.request.id) for p in sel], "col_slots": cols, "matrix": matrix}
+
+
+def pca(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """Unedited and edited final states projected on their first two principal components."""
+    ref = torch.stack([a for a, _ in pairs]).double()
+    ed = torch.stack([b for _, b in pairs]).double()
+    both = torch.cat([ref, ed])
+    mu = both.mean(0, keepdim=True)
+    x = both - mu
+    _, s, vh = torch.linalg.svd(x, full_matrices=False)
+    comps = vh[:2]
+    var = s**2
+    explained = (var[:2] / var.sum().clamp_min(1e-30)).tolist()
+    pr = ((ref - mu) @ comps.T).tolist()
+    pe = ((ed - mu) @ comps.T).tolist()
+    return {"reference": pr, "edited": pe, "explained": explained}
+
+
+# =============================================================================
+# The public entry point
+# =============================================================================

@@ -1,0 +1,184 @@
+"""Stages 4, 5 and 7 and the encoder on synthetic states: refinement, calibration, the ridge solve."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from aloe_build import addresses as addr
+from aloe_build.config import BuildConfig
+from aloe_build.encoder import CorpusStates, train_encoder
+from aloe_build.writes import gates_of, ridge_writes
+from aloe_kernels import AloeOperator
+
+
+def _unit(x):
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def _synthetic(n=6, d=24, anchors_per=3, negs=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centers = _unit(torch.randn(n, d, generator=g))
+    anchors = _unit(centers.repeat_interleave(anchors_per, 0) + 0.15 * torch.randn(n * anchors_per, d, generator=g))
+    owner = torch.arange(n).repeat_interleave(anchors_per)
+    pool = _unit(torch.randn(negs, d, generator=g))
+    neg = addr.NegativeSet(
+        shared=torch.cat([pool, anchors]),
+        shared_owner=torch.cat([torch.full((negs,), -1), owner]),
+        specific=_unit(centers + 0.9 * torch.randn(n, d, generator=g)),
+        specific_owner=torch.arange(n),
+    )
+    V0 = 3.0 * _unit(centers + 0.8 * torch.randn(n, d, generator=g))  # a poor initial guess
+    return V0, anchors, owner, neg, torch.eye(n, dtype=torch.bool)
+
+
+def test_negative_top_matches_brute_force():
+    """NegativeSet.top against a per-slot brute force: specific states in shuffled owner order, a
+    slot with none, anchors of the slot itself and of a same-prompt slot excluded."""
+    g = torch.Generator().manual_seed(3)
+    n, d, k = 5, 16, 4
+    V = torch.randn(n, d, generator=g)
+    shared = _unit(torch.randn(40, d, generator=g))
+    shared_owner = torch.cat([torch.full((30,), -1), torch.arange(n).repeat(2)])
+    specific = _unit(torch.randn(23, d, generator=g))
+    specific_owner = torch.tensor([0, 2, 4, 1] * 5 + [2, 0, 4])[torch.randperm(23, generator=g)]  # slot 3 has none
+    same = torch.eye(n, dtype=torch.bool)
+    same[0, 1] = same[1, 0] = True
+    got_s, got_h = addr.NegativeSet(shared, shared_owner, specific, specific_owner).top(V, same, k, chunk=2)
+    for i in range(n):
+        ok = (shared_owner < 0) | ~same[i, shared_owner.clamp_min(0)]
+        cand = torch.cat([shared[ok], specific[specific_owner == i]])
+        want = (cand @ V[i]).topk(k).values
+        torch.testing.assert_close(got_s[i], want)
+        torch.testing.assert_close(got_h[i] @ V[i], want)
+
+
+def test_refinement_loss_falls_and_norms_kept():
+    V0, anchors, owner, neg, same = _synthetic()
+    cfg = BuildConfig(refine_steps=300, refine_remine_every=50, refine_hard_negatives=8)
+    V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
+    assert losses[-1] < 0.5 * losses[0]
+    torch.testing.assert_close(V.norm(dim=1), V0.norm(dim=1), rtol=1e-4, atol=1e-5)
+
+
+def test_calibration_separable_slot_properties():
+    V0, anchors, owner, neg, same = _synthetic()
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
+    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    assert cal.separable.all()
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
+    g_anchor = gates_of(anchors, op)[torch.arange(len(owner)), owner]
+    worst_pos = torch.full((6,), math.inf).scatter_reduce(0, owner, g_anchor, reduce="amin")
+    torch.testing.assert_close(worst_pos, torch.full((6,), 0.9), rtol=0, atol=1e-4)
+    # the worst negative of every slot (shared pool, other slots' anchors, own specific) gives exactly 0
+    for i in range(6):
+        negatives = torch.cat([neg.shared[neg.shared_owner != i], neg.specific[neg.specific_owner == i]])
+        assert gates_of(negatives, op)[:, i].max() == 0.0
+
+
+def test_calibration_open_at_opens_wider_and_keeps_negatives_closed():
+    """calibration_open_at=0.5: the gate is open_gate halfway between the worst negative and the worst
+    anchor, the worst anchor opens wider than 0.9, and the worst negative still gives exactly 0."""
+    V0, anchors, owner, neg, same = _synthetic()
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
+    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.5))
+    assert cal.separable.all()
+    half = (cal.worst_negative + cal.worst_positive) / 2
+    gate = torch.sigmoid(cal.temperatures * (half - cal.thresholds))
+    torch.testing.assert_close((gate - 1e-3) / (1 - 1e-3), torch.full((6,), 0.9), rtol=0, atol=1e-4)
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
+    g_anchor = gates_of(anchors, op)[torch.arange(len(owner)), owner]
+    assert torch.full((6,), math.inf).scatter_reduce(0, owner, g_anchor, reduce="amin").min() > 0.9
+    for i in range(6):
+        negatives = torch.cat([neg.shared[neg.shared_owner != i], neg.specific[neg.specific_owner == i]])
+        assert gates_of(negatives, op)[:, i].max() == 0.0
+    with pytest.raises(ValueError, match="calibration_open_at"):
+        addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.0))
+
+
+def test_soft_anchors_turn_addresses_but_never_make_a_slot_inseparable():
+    """Soft (paraphrase) anchors: one equal to a negative of its slot leaves the slot separable, its
+    request anchors at 0.9 and every negative at exactly 0; one reachable well above the worst
+    negative is where the gate reaches 0.9 instead, and refinement raises its score."""
+    V0, anchors, owner, neg, same = _synthetic()
+    g = torch.Generator().manual_seed(1)
+    far = _unit(torch.randn(6, anchors.shape[1], generator=g))  # unrelated directions: hard to reach
+    unreachable = neg.specific[2:3]  # a negative of slot 2 itself
+    soft_states = torch.cat([anchors, far, unreachable])
+    soft_owner = torch.cat([owner, torch.arange(6), torch.tensor([2])])
+    soft = torch.cat([torch.zeros(len(owner), dtype=torch.bool), torch.ones(7, dtype=torch.bool)])
+    cfg = BuildConfig(refine_steps=400, refine_hard_negatives=8)
+    V_hard, _ = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
+    V, _ = addr.refine_addresses(V0, soft_states, soft_owner, neg, same, cfg, soft)
+    # the soft hinges turn the addresses towards their far paraphrases (a slot whose request
+    # anchors never clear their margin is left as the required anchors alone make it)
+    gain = (V * far).sum(1) - (V_hard * far).sum(1)
+    assert (gain >= -1e-6).all() and int((gain > 0.1).sum()) >= 4
+    cal = addr.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig(), soft)
+    assert cal.separable.all()
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
+    for i in range(6):
+        negatives = torch.cat([neg.shared[neg.shared_owner != i], neg.specific[neg.specific_owner == i]])
+        assert gates_of(negatives, op)[:, i].max() == 0.0
+    g_req = gates_of(anchors, op)[torch.arange(len(owner)), owner]
+    assert g_req.min() >= 0.9 - 1e-4
+    assert gates_of(unreachable, op)[0, 2] == 0.0
+    # the 0.9 point is the worst of the request anchors and the soft anchors that clear the floor
+    s_req = addr.min_anchor_scores(V, anchors, owner)
+    s_far = (V * far).sum(1)
+    floor = cal.worst_negative + BuildConfig().calibration_soft_floor * (s_req - cal.worst_negative)
+    torch.testing.assert_close(cal.worst_positive, torch.where(s_far >= floor, torch.minimum(s_req, s_far), s_req))
+    # with every anchor required, slot 2 could not be separated
+    assert not bool(addr.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig()).separable[2])
+
+
+def test_calibration_inseparable_slot_is_finite_and_balanced():
+    V0, anchors, owner, neg, same = _synthetic(n=2)
+    # make slot 0 inseparable: one of its specific negatives equals an anchor
+    neg.specific[0] = anchors[0]
+    cal = addr.calibrate(V0, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_steps=50))
+    assert not bool(cal.separable[0])
+    assert torch.isfinite(cal.thresholds).all() and (cal.temperatures > 0).all()
+    assert cal.temperatures[0] >= BuildConfig().inseparable_temperature / V0[0].norm() - 1e-6
+    # locality first: at most the mined hardest negatives may fall outside the dead zone
+    op = AloeOperator(addresses=V0, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(2, 3))
+    assert int((gates_of(neg.shared[:200], op)[:, 0] > 0).sum()) <= BuildConfig().refine_hard_negatives
+
+
+def test_ridge_recovers_targets_without_overlap():
+    V0, anchors, owner, neg, same = _synthetic()
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=300, refine_hard_negatives=8))
+    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 5))
+    deltas = torch.randn(6, 5)
+    U = ridge_writes(deltas, anchors, owner, neg.shared[:200], op, BuildConfig(ridge_mu=1e-8))
+    torch.testing.assert_close(U, deltas, rtol=1e-3, atol=1e-3)
+    # negatives given in parts (never concatenated) weigh exactly as the whole: here states near
+    # the anchors, where gates are open and the preservation term pulls the writes down
+    near = _unit(anchors + 0.05 * torch.randn(anchors.shape, generator=torch.Generator().manual_seed(1)))
+    assert gates_of(near, op).max() > 0.1
+    whole = ridge_writes(deltas, anchors, owner, torch.cat([near, neg.shared]), op, BuildConfig())
+    parts = ridge_writes(deltas, anchors, owner, [near[:7], near[7:], neg.shared], op, BuildConfig())
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
+    assert whole.norm() < U.norm()
+
+
+def test_encoder_training_separates_paraphrases():
+    g = torch.Generator().manual_seed(0)
+    N, d = 64, 32
+    base = _unit(torch.randn(N, d, generator=g))
+    cs = CorpusStates(
+        request=_unit(base + 0.1 * torch.randn(N, d, generator=g)),
+        paraphrase=_unit(base + 0.3 * torch.randn(N, d, generator=g)),
+        locality=_unit(torch.randn(N, d, generator=g)),
+        same_subject=_unit(base[:, None] + 1.0 * torch.randn(N, 2, d, generator=g)),
+    )
+    cfg = BuildConfig(encoder_dim=16, encoder_steps=200, encoder_batch=16, encoder_lr=1e-2)
+    enc = train_encoder(cs, [str(i % 8) for i in range(N)], list(range(N)), cfg)
+    s = enc.scores(cs.paraphrase, cs.request)
+    acc = (s.argmax(1) == torch.arange(N)).double().mean()
+    assert acc > 0.9
+
+

@@ -1,0 +1,340 @@
+"""The whole pipeline on a tiny model: shapes, report, determinism, resume, bad input, stage 3."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model, tiny_tokenizer
+
+from aloe_build.config import BuildConfig
+from aloe_build.data import EditRequest, save_edits_jsonl
+from aloe_build.pipeline import BuildError, build_operator
+from aloe_build.writes import gates_of
+from aloe_kernels import AloeOperator, PatchError, aloe_gates
+
+# ---------------------------------------------------------------- tiny model, whole pipeline
+
+_SUBJECTS = ["Paris", "France", "Italy", "Rome", "Toko", "John", "Lennon", "UniFirst", "Yasuda", "Eiffel"]
+_TEMPLATES = ["The capital of {} is", "{} plays the", "What is the product made by {} ?", "{} is located in the city of"]
+_WORDS = ["Paris", "Rome", "guitar", "piano", "uniform", "France", "Italy"]
+
+
+def _tiny_corpus(path, rephrase=lambda i, j, prompt: "the " + prompt):
+    """Every subject under every template; ``rephrase(i, j, prompt)`` words the rephrase of record (i, j)."""
+    records = []
+    for i, s in enumerate(_SUBJECTS):
+        for j, t in enumerate(_TEMPLATES):
+            records.append(EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
+                                       ground_truth=_WORDS[(i + j + 1) % len(_WORDS)],
+                                       rephrases=(rephrase(i, j, t.replace("{}", s)),),
+                                       locality=(_TEMPLATES[j].replace("{}", _SUBJECTS[(i + 3) % 10]),),
+                                       id=f"c{i}-{j}"))
+    save_edits_jsonl(records, path)
+    return path
+
+
+def _tiny_cfg(tmp_path, **kw):
+    base = dict(layer=1, encoder_corpus=str(_tiny_corpus(tmp_path / "corpus.jsonl")), encoder_records=40,
+                encoder_dim=8, encoder_steps=20, encoder_batch=8, encoder_cache=str(tmp_path / "enc"),
+                negative_pool_records=10, refine_steps=30, refine_remine_every=10, target_steps=5, target_batch=4,
+                finetune_steps=3, finetune_batch=2, calibration_steps=10, compute_dtype="float32")
+    base.update(kw)
+    return BuildConfig(**base)
+
+
+def _edits():
+    return [
+        EditRequest(prompt="The Eiffel Tower is located in the city of", target_new="Rome", subject="Eiffel Tower", id="a"),
+        EditRequest(prompt="The capital of France is", target_new="Rome", subject="France", id="b"),
+        EditRequest(prompt="Toko Yasuda plays the", target_new="piano", subject="Toko Yasuda", id="c"),
+        EditRequest(prompt="Toko Yasuda plays the", target_new="piano", subject="Toko Yasuda", id="c-dup"),
+    ]
+
+
+def test_tiny_pipeline_shapes_report_and_determinism(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    op = build_operator(model, tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run", log=None)
+    assert op.n == 3 and op.d == 48 and op.d_out == 32 and op.layer == 1  # the duplicate shares a slot
+    assert op.edits[2]["ids"] == ["c", "c-dup"]
+    report = json.loads((tmp_path / "run" / "build_report.json").read_text())
+    assert {"1_encoder", "2_init", "3_rollouts", "4_refine", "5_calibrate", "6_targets", "7_ridge", "8_finetune"} <= set(
+        report["stages"])
+    again = build_operator(tiny_model("llama"), tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run2", log=None)
+    assert again.fingerprint() == op.fingerprint()
+
+
+def test_resume_after_interruption(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path)
+    import aloe_build.pipeline as pipeline
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "finetune_writes", boom)
+    with pytest.raises(KeyboardInterrupt):
+        build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "run", log=None)
+    monkeypatch.undo()
+    seen = []
+    op = build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "run", log=seen.append)
+    assert sum("resumed from checkpoint" in m for m in seen) == 6  # stages 2-7
+    fresh = build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "fresh", log=None)
+    assert op.fingerprint() == fresh.fingerprint()
+    # a later-stage change keeps the earlier checkpoints
+    seen.clear()
+    build_operator(model, tok, _edits(), _tiny_cfg(tmp_path, finetune_steps=1), out_dir=tmp_path / "run", log=seen.append)
+    assert sum("resumed from checkpoint" in m for m in seen) == 6
+
+
+def test_bad_input(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path)
+    with pytest.raises(BuildError, match="no edit requests"):
+        build_operator(model, tok, [], cfg, log=None)
+    with pytest.raises(PatchError, match="out of range"):
+        build_operator(model, tok, _edits(), _tiny_cfg(tmp_path, layer=9), log=None)
+    long = EditRequest(prompt=" ".join(["the"] * 80), target_new="Rome", subject="x", id="z")
+    with pytest.raises(BuildError, match="over the model context"):
+        build_operator(model, tok, [long], cfg, log=None)
+    with pytest.raises(PatchError, match="no decoder layer"):
+        build_operator(torch.nn.Linear(2, 2), tok, _edits(), cfg, log=None)
+    import aloe_build.addresses as A
+
+    def nan_refine(V0, *a, **k):
+        raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
+
+    monkeypatch.setattr(A, "refine_addresses", nan_refine)
+    with pytest.raises(BuildError, match="stage 4.*checkpoints of earlier stages are kept"):
+        build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "nan", log=None)
+    assert (tmp_path / "nan" / "checkpoints" / "3_rollouts.safetensors").is_file()
+
+
+def test_gates_open_on_own_requests_tiny(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    op = build_operator(model, tok, _edits()[:3], _tiny_cfg(tmp_path, refine_steps=200), out_dir=tmp_path / "r", log=None)
+    from safetensors.torch import load_file
+
+    from aloe_build.states import last_token_states
+
+    separable = load_file(str(tmp_path / "r" / "checkpoints" / "5_calibrate.safetensors"))["separable"].bool()
+    assert separable.any()
+    h = last_token_states(model, tok, [e.prompt for e in _edits()[:3]], 1)
+    own = aloe_gates(h, op).diagonal()
+    # a separable slot opens at >= 0.9 on its request (its worst anchor gets exactly 0.9);
+    # an inseparable one sits at a finite-temperature midpoint, still open
+    assert (own[separable] >= 0.9 - 1e-4).all() and (own > 0).all()
+
+
+def _rows_contain(rows, states, atol=1e-5):
+    """Whether every row of ``states`` occurs in ``rows`` (up to float noise)."""
+    return bool(((rows[None, :, :] - states[:, None, :]).abs().amax(-1) < atol).any(1).all())
+
+
+def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path):
+    """Stage 3 adds (a) the states of the unedited model's greedy continuation of each request,
+    negatives of every slot but their own, (b) the edit's subject under the other requests'
+    templates, (c) the edit's template with the other requests' subjects and (d) the edit's template
+    with one relation word swapped and (e) the request asking for anything but its target, negatives
+    of that edit; none exists when switched off."""
+    from safetensors.torch import load_file
+
+    from aloe_build.corpus import load_corpus, relation_words
+    from aloe_build.states import collect_states, last_token_states
+    from aloe_build.tokens import encode_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=4, negatives_stream_templates=2,
+                                                negatives_stream_subjects=2, negatives_word_swaps=4,
+                                                negatives_exclusions=1),
+                   out_dir=tmp_path / "on", log=None)
+    roll = load_file(str(tmp_path / "on" / "checkpoints" / "3_rollouts.safetensors"))
+    for i, e in enumerate(edits):
+        ids = encode_prompt(tok, e.prompt)
+        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=4, do_sample=False, pad_token_id=1, eos_token_id=None)[0].tolist()
+        full = gen[: gen.index(2, len(ids))] if 2 in gen[len(ids):] else gen  # cut before <eos>
+        want = collect_states(model, tok, [full], 1, [range(len(ids), len(full))]).states
+        got = roll["continuations"][roll["continuation_owner"] == i]
+        assert got.shape == want.shape and _rows_contain(got, want)
+    # slot 0's subject under slots 1 and 2's templates is a negative of slot 0, and slot 1's under
+    # slot 0's template (which no corpus template gives) one of slot 1
+    h = last_token_states(model, tok, ["The capital of Eiffel Tower is", "Eiffel Tower plays the"], 1)
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 0], h)
+    h = last_token_states(model, tok, ["The France is located in the city of"], 1)
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 1], h)
+    # (c): slot 0's template with slot 1's subject is a negative of slot 0 too
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 0], h)
+
+    # (d): slot 0's template with one relation word swapped ("located" or "city" for another word
+    # of the stream's or the corpus's templates), filled with its own or another stream subject
+    corpus = load_corpus(_tiny_cfg(tmp_path).encoder_corpus, 40, 2, 0)[0]
+    words = relation_words([e.template for e in edits] + list(corpus.group_of_template))
+    template = edits[0].template
+    swapped = [template.replace(w, x).replace("{}", subj) for w in ("located", "city") for x in words
+               if x not in template.split() for subj in ("Eiffel Tower", "France", "Toko Yasuda")]
+    h_swap = last_token_states(model, tok, swapped, 1)
+
+    def swaps_among_negatives(roll) -> int:
+        spec = roll["specific"][roll["specific_owner"] == 0]
+        return sum(_rows_contain(spec, h_swap[j:j + 1]) for j in range(len(swapped)))
+
+    assert 1 <= swaps_among_negatives(roll) <= 4
+    # (e): slot 1's request asking for anything but its target is a negative of slot 1 alone
+    h_excl = last_token_states(model, tok, ["The capital of France, which is not Rome, is"], 1)
+    assert _rows_contain(roll["specific"][roll["specific_owner"] == 1], h_excl)
+    assert not _rows_contain(roll["specific"][roll["specific_owner"] != 1], h_excl)
+
+    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=0, negatives_stream_templates=0,
+                                                negatives_stream_subjects=0, negatives_word_swaps=0,
+                                                negatives_exclusions=0),
+                   out_dir=tmp_path / "off", log=None)
+    off = load_file(str(tmp_path / "off" / "checkpoints" / "3_rollouts.safetensors"))
+    assert off["continuations"].shape[0] == 0
+    assert not _rows_contain(off["specific"], h)
+    assert swaps_among_negatives(off) == 0
+    assert not _rows_contain(off["specific"], h_excl)
+
+
+def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
+    """With ``positives_prefixed`` = k, each slot's anchors include the last-token states of its
+    request after k distinct corpus statements, and only its own; none when switched off. They are
+    not training sequences of the write stages."""
+    from safetensors.torch import load_file
+
+    from aloe_build.corpus import load_corpus
+    from aloe_build.states import last_token_states
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    statements = load_corpus(_tiny_cfg(tmp_path).encoder_corpus, 40, 2, 0)[0].statements
+    for k in (2, 0):
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_prefixed=k), out_dir=tmp_path / f"k{k}", log=None)
+        roll = load_file(str(tmp_path / f"k{k}" / "checkpoints" / "3_rollouts.safetensors"))
+        report = json.loads((tmp_path / f"k{k}" / "build_report.json").read_text())
+        assert report["stages"]["3_rollouts"]["paraphrase_positives"] == k * len(edits)
+        assert report["stages"]["8_finetune"]["paraphrase_sequences"] == 0  # the request's write carries
+        for i, e in enumerate(edits):
+            h = last_token_states(model, tok, [f"{st} {e.prompt}" for st in statements], 1)
+            found = [j for j in range(len(statements)) if _rows_contain(roll["anchors"], h[j:j + 1])]
+            own = [j for j in found if _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h[j:j + 1])]
+            assert len(found) == len(own) == k
+
+
+def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
+    """Same-relation positives: the write stages train on exactly the rewordings whose own gate is
+    at least 0.5 at their last prompt token (their first anchor), scored with the built operator."""
+    from safetensors.torch import load_file
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    # a corpus whose records carry relation ids, two templates per relation
+    relation = {t: f"P{j // 2}" for j, t in enumerate(_TEMPLATES)}
+    records = [EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
+                           rephrases=("the " + t.replace("{}", s),), relation=relation[t],
+                           locality=(t.replace("{}", _SUBJECTS[(i + 3) % 10]),), id=f"c{i}-{j}")
+               for i, s in enumerate(_SUBJECTS) for j, t in enumerate(_TEMPLATES)]
+    corpus = save_edits_jsonl(records, tmp_path / "related.jsonl")
+    op = build_operator(model, tok, edits, _tiny_cfg(tmp_path, encoder_corpus=str(corpus), positives_same_relation=2,
+                                                     positives_prefixed=0), out_dir=tmp_path / "run", log=None)
+    roll = load_file(str(tmp_path / "run" / "checkpoints" / "3_rollouts.safetensors"))
+    report = json.loads((tmp_path / "run" / "build_report.json").read_text())
+    seq = roll["anchor_seq"]
+    first = torch.ones_like(seq, dtype=torch.bool)
+    first[1:] = seq[1:] != seq[:-1]
+    rows = (first & (seq >= op.n)).nonzero().squeeze(1)
+    assert rows.numel() == report["stages"]["3_rollouts"]["paraphrase_positives"] > 0
+    g = gates_of(roll["anchors"][rows], op)[torch.arange(rows.numel()), roll["anchor_owner"][rows]]
+    assert report["stages"]["8_finetune"]["paraphrase_sequences"] == int((g >= 0.5).sum())
+
+
+def test_open_paraphrases_picks_candidates_open_on_their_first_anchor():
+    """Sequences 0-1 are requests, 2-5 paraphrases (5 not a candidate); each has two anchors, and
+    only the first (the last prompt token) decides."""
+    from aloe_build.pipeline import _open_paraphrases
+
+    d = 8
+    V = torch.eye(d)[:2] * 4.0  # slot 0 reads dimension 0, slot 1 dimension 1
+    op = AloeOperator(addresses=V, thresholds=torch.full((2,), 2.0), temperatures=torch.full((2,), 10.0),
+                      writes=torch.zeros(2, 3))
+    e = torch.eye(d)
+    owner = torch.tensor([0, 1, 0, 1, 0, 1])
+    first = [e[0], e[1], e[0], e[2], e[2], e[1]]  # seq 3 and 4 closed on their first anchor
+    second = [e[0], e[1], e[2], e[1], e[0], e[1]]  # the second anchors would say otherwise
+    anchors = torch.stack([x for pair in zip(first, second) for x in pair])
+    anchor_seq = torch.arange(6).repeat_interleave(2)
+    candidate = torch.tensor([False, False, True, True, True, False])
+    assert _open_paraphrases(op, anchors, anchor_seq, owner, candidate) == [2]
+    assert _open_paraphrases(op, anchors, anchor_seq, owner, torch.zeros(6, dtype=torch.bool)) == []
+
+
+def test_continuations_stop_before_end_of_sequence():
+    """A continuation is cut before the first end-of-sequence token: a server stops there."""
+    from types import SimpleNamespace
+
+    from aloe_build.forward import greedy_generate
+    from aloe_build.rollouts import continued as _continued
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompts = [tok(p)["input_ids"] for p in ("The capital of France is", "Toko Yasuda plays the")]
+    gens = greedy_generate(model, prompts, 5, pad_id=1)
+    stop = gens[0][2]  # pretend the third generated token of the first prompt ends a sequence
+    out = _continued(model, SimpleNamespace(eos_token_id=stop, pad_token_id=1), prompts, 5, 2, "t")
+    assert out[0] == prompts[0] + gens[0][: gens[0].index(stop)]
+    assert out[1] == prompts[1] + (gens[1][: gens[1].index(stop)] if stop in gens[1] else gens[1])
+    assert _continued(model, tok, prompts, 0, 2, "t") == prompts
+
+
+def test_tensors_saved_atomically(tmp_path):
+    from safetensors.torch import load_file
+
+    from aloe_build.checkpoints import save_tensors_atomically
+
+    t = {"states": torch.randn(5, 3)}
+    save_tensors_atomically(t, tmp_path / "x.safetensors")
+    save_tensors_atomically({"states": t["states"] * 2}, tmp_path / "x.safetensors")  # replaces in place
+    torch.testing.assert_close(load_file(str(tmp_path / "x.safetensors"))["states"], t["states"] * 2)
+    assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]  # no temporary left behind
+
+    from aloe_build.checkpoints import write_atomically
+
+    (tmp_path / "x.json").write_text("{}")
+
+    def fails_midway(tmp):
+        tmp.write_text('{"key": ')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(tmp_path / "x.json", fails_midway)
+    assert (tmp_path / "x.json").read_text() == "{}"  # the old file intact, no partial one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json", "x.safetensors"]
+
+
+
+
+def test_anchor_positions_leave_out_target_tokens_the_model_predicts():
+    """Anchors are the last prompt token, then only the positions whose next target token the
+    unedited model does not already predict (checked against a plain forward of each sequence)."""
+    from aloe_build.rollouts import anchor_positions as _anchor_positions
+    from aloe_build.tokens import encode_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompts = [encode_prompt(tok, e.prompt) for e in _edits()[:3]]
+    # targets: the model's own greedy continuation (all predicted) with one token changed
+    gens = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=5,
+                           do_sample=False, pad_token_id=1, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    targets = [gens[0], gens[1][:2] + [(gens[1][2] + 1) % 100 + 3] + gens[1][3:], [(gens[2][0] + 1) % 100 + 3] + gens[2][1:]]
+    got = _anchor_positions(model, tok, prompts, targets, 4, False, 2)
+    for p, t, pos in zip(prompts, targets, got):
+        with torch.no_grad():
+            pred = model(torch.tensor([p + t])).logits[0].argmax(-1).tolist()
+        want = [len(p) - 1] + [len(p) - 1 + k for k in range(1, 4) if pred[len(p) - 1 + k] != t[k]]
+        assert pos == want
+    assert got[0] == [len(prompts[0]) - 1]  # the model's own continuation needs only the first anchor
+    assert len(prompts[1]) + 1 in got[1]  # the changed third token is not predicted
+    assert _anchor_positions(model, tok, prompts, targets, 4, True, 2) == [
+        list(range(len(p) - 1, len(p) + 3)) for p in prompts]
+    assert _anchor_positions(model, tok, prompts, targets, 2, False, 2)[1] == [len(prompts[1]) - 1]
+

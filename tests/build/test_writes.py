@@ -1,0 +1,141 @@
+"""The write stages' forward (edited_forward.py), write targets and fine-tuning on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model, tiny_tokenizer
+
+from aloe_build.config import BuildConfig
+from aloe_kernels import AloeOperator
+
+# ---------------------------------------------------------------- write-stage forward (edited_forward.py)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_edited_forward_matches_patched_model(family):
+    """Target NLL from the cached pass (upper layers only, or the fallback) equals the NLL of the
+    model patched with the same operator through apply_aloe, computed independently."""
+    import torch.nn.functional as F
+    from helpers import operator_opening_on
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    from aloe_build.edited_forward import EditedForward
+    from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
+    from aloe_kernels.hf import locate_down_proj
+
+    model, tok = tiny_model(family, num_layers=3), tiny_tokenizer()
+    texts = ["The capital of France is Paris", "Toko Yasuda plays the guitar", "What is the product made by UniFirst ? uniform",
+             "The Eiffel Tower is located in the city of Rome"]
+    seqs = [tok(t)["input_ids"] for t in texts]
+    lens = [1, 1, 1, 2]
+    site = locate_down_proj(model, 1)
+    # gates open at some real positions (captured states of two sequences), others closed
+    box = {}
+    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([seqs[0]]))
+    handle.remove()
+    op = operator_opening_on(box["h"][0, -3:], n_extra=2, d_out=site.d_out)
+    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
+                      writes=op.writes * 3, layer=1, weight_fingerprint="unchecked")
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=3, owners=[0, 1, 2, 0])
+    assert fwd.upper_only == (family != "gpt2")  # GPT-2 adds position embeddings to inputs_embeds
+    rows = [3, 0, 2]
+    slots, G = fwd.all_gates(rows)
+    assert slots.numel() > 0 and (G > 0).any()
+    got = fwd.nll(rows, G @ op.writes[slots].float())
+
+    apply_aloe(model, op, check_fingerprint=False)
+    try:
+        want, exact = [], []
+        for i in rows:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seqs[i]])).logits[0].double()
+            n = lens[i]
+            want.append(F.cross_entropy(logits[-n - 1:-1], torch.tensor(seqs[i][-n:])))
+            exact.append(bool((logits[-n - 1:-1].argmax(-1) == torch.tensor(seqs[i][-n:])).all()))
+    finally:
+        remove_aloe(model)
+    torch.testing.assert_close(got.double(), torch.stack(want), atol=1e-4, rtol=1e-4)
+    assert fwd.scored(rows, G @ op.writes[slots].float())[1].tolist() == exact
+    # own gates: sequence 3 belongs to slot 0, whose gate opens on sequence 0 only
+    own = fwd.own_gates([0, 3])
+    assert own[0].max() > 0
+
+
+def _slot_per_sequence():
+    """A tiny model, four prompt + target sequences and an operator whose slot i opens on the
+    prompt end and target positions of sequence i."""
+    from aloe_kernels.hf import locate_down_proj
+
+    model, tok = tiny_model("llama", num_layers=3), tiny_tokenizer()
+    texts = ["The capital of France is Paris Rome", "Toko Yasuda plays the guitar piano",
+             "What is the product made by UniFirst ? uniform aircraft", "The Eiffel Tower is in Rome Paris"]
+    seqs = [tok(t)["input_ids"] for t in texts]
+    lens = [1, 1, 2, 1]
+    site = locate_down_proj(model, 1)
+    box = {}
+    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
+    states = []
+    with torch.no_grad():
+        for s in seqs:
+            model(input_ids=torch.tensor([s]))
+            states.append(box["h"][0, -lens[len(states)] - 1:])
+    handle.remove()
+    unit = [torch.nn.functional.normalize(h.double(), dim=1) for h in states]
+    V = torch.stack([torch.nn.functional.normalize(u.mean(0), dim=0) for u in unit])
+    tau = torch.stack([(u @ v).min() - 0.05 for u, v in zip(unit, V)])
+    op = AloeOperator(addresses=V, thresholds=tau, temperatures=torch.full((len(V),), 30.0, dtype=torch.float64),
+                      writes=torch.zeros(len(V), site.d_out, dtype=torch.float64), layer=1,
+                      weight_fingerprint="unchecked").to(dtype=torch.float32)
+    return model, tok, seqs, lens, op
+
+
+def test_write_targets_keep_going_until_targets_are_produced():
+    """Stage 6 with a budget past target_steps: edits whose target is not yet the greedy output get
+    more steps, and the delta kept for an edit reported as produced does produce it."""
+    from aloe_build.edited_forward import EditedForward
+    from aloe_build.writes import write_targets
+
+    model, tok, seqs, lens, op = _slot_per_sequence()
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
+    short = BuildConfig(target_steps=0, target_max_steps=0, target_lr=0.05, target_batch=4)
+    longer = BuildConfig(target_steps=0, target_max_steps=150, target_lr=0.05, target_batch=4)
+    with fwd.frozen():
+        _, nll_short, produced_short = write_targets(fwd, short)
+        deltas, nll_long, produced_long = write_targets(fwd, longer)
+    assert produced_short < 1.0  # the unedited model does not produce these targets
+    assert produced_long > produced_short and sum(nll_long) < sum(nll_short)
+    rows = list(range(len(seqs)))
+    g = fwd.own_gates(rows)[..., None]
+    with torch.no_grad():
+        nll, exact = fwd.scored(rows, g * deltas[:, None, :])
+    assert exact.float().mean().item() == pytest.approx(produced_long)
+    torch.testing.assert_close(nll, torch.tensor(nll_long), atol=1e-4, rtol=1e-4)
+
+
+def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():
+    from aloe_build.edited_forward import EditedForward
+    from aloe_build.writes import finetune_writes, produced_rows, write_targets
+
+    model, tok, seqs, lens, op = _slot_per_sequence()
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
+    with fwd.frozen():
+        U, _, _ = write_targets(fwd, BuildConfig(target_steps=0, target_max_steps=150, target_lr=0.05, target_batch=4))
+    flags = produced_rows(fwd, U, range(4), 4)
+    assert any(flags) and not all(flags)
+    seen = []
+    score = fwd.nll
+    fwd.nll = lambda rows, residual: (seen.append(list(rows)), score(rows, residual))[1]
+    cfg = BuildConfig(finetune_steps=1, finetune_rescore_every=1, finetune_batch=4)
+    _, losses = finetune_writes(fwd, U, cfg)
+    assert len(losses) == 1 and sorted(seen[0]) == [i for i, ok in enumerate(flags) if not ok]
+    # only sequences whose targets are produced: nothing to train, the writes come back unchanged
+    done = [i for i, ok in enumerate(flags) if ok]
+    fwd_done = EditedForward(model, tok, [seqs[i] for i in done], [lens[i] for i in done], op, owners=done)
+    assert all(produced_rows(fwd_done, U, range(len(done)), 4))
+    U2, losses = finetune_writes(fwd_done, U, BuildConfig(finetune_steps=10, finetune_rescore_every=5))
+    assert losses == [] and torch.equal(U2, U)
+
+

@@ -1,0 +1,52 @@
+"""``aloe eval`` end to end: a saved tiny model and operator, baselines, the report on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from eval_helpers import LAYER, gate_operator, tiny_requests
+from tiny_models import tiny_model, tiny_tokenizer
+
+from aloe_build.data import save_edits_jsonl
+from aloe_cli import main
+from aloe_kernels import AloeOperator
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama"), tiny_tokenizer()
+
+
+def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
+    model, tok = tiny
+    reqs = tiny_requests()
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    edits = save_edits_jsonl(reqs, tmp_path / "edits.jsonl")
+    op_dir = gate_operator(model, tok, reqs, open_=True).save(tmp_path / "op")
+    out = tmp_path / "eval"
+    rc = main(["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2",
+               "--out", str(out), "--baseline", "grace", "--grace-iters", "20", "--quiet", "--batch-size", "4"])
+    assert rc == 0
+    d = json.loads((out / "eval_report.json").read_text())
+    assert d["primary"] == "ALOE"
+    assert set(d["editors"]) == {"ALOE", "unedited", "GRACE (reimplementation)"}
+    meta = d["meta"]
+    assert meta["n_edits"] == 2 and meta["operator_hash"] == AloeOperator.load(op_dir).fingerprint()
+    assert meta["data_sha256"] == hashlib.sha256(edits.read_bytes()).hexdigest()
+    assert meta["command"].startswith("aloe eval --model ") and "--baseline grace" in meta["command"]
+    assert (out / "eval_report.md").is_file() and (out / "aloe_gates.png").is_file()
+    assert (out / "grace_reimplementation_gates.png").is_file()
+
+    # baselines only: no operator
+    out2 = tmp_path / "eval2"
+    rc = main(["eval", "--model", str(model_dir), "--edits", str(edits), "--out", str(out2), "--baseline", "grace",
+               "--grace-iters", "5", "--no-plots", "--quiet", "--layer", str(LAYER)])
+    assert rc == 0
+    d = json.loads((out2 / "eval_report.json").read_text())
+    assert d["primary"] == "unedited" and "GRACE (reimplementation)" in d["editors"]
+    assert d["meta"]["layer"] == LAYER and "operator_hash" not in d["meta"]
+    # nothing to evaluate

