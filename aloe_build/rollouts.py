@@ -203,14 +203,13 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
              layer: int, cfg: BuildConfig, rng: random.Random) -> tuple[dict[str, torch.Tensor], dict]:
     """Stage 3: anchors H+ (with their slot and sequence) and negatives H-; returns the tensors
     and the stage's report."""
-    cfg_cap = cfg.max_target_tokens
     # along the target for requests and rewordings; the prefixed requests only at their last
     # prompt token (the positions along the target are the request's own target text)
     r = seqs.rewordings
     owner_r = seqs.extra_owner[:r]
     positions = anchor_positions(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
                                  seqs.targets + [seqs.targets[i] for i in owner_r],
-                                 cfg_cap, cfg.anchor_predicted_targets, cfg.batch_size)
+                                 cfg.max_target_tokens, cfg.anchor_predicted_targets, cfg.batch_size)
     positions += [[len(p) - 1] for p in seqs.extra_prompts[r:]]
     full = [p + t for p, t in zip(seqs.prompts, seqs.targets)]
     full += [p + seqs.targets[i] for p, i in zip(seqs.extra_prompts[:r], owner_r)]
