@@ -30,6 +30,11 @@ class NegativeSet:
     specific: torch.Tensor  # (S, d)
     specific_owner: torch.Tensor  # (S,) the one slot each is a negative of
 
+    def to(self, device: torch.device) -> "NegativeSet":
+        """The same set on ``device`` (the build's device; states are kept on CPU between stages)."""
+        return NegativeSet(*(t.to(device) for t in (self.shared, self.shared_owner, self.specific,
+                                                    self.specific_owner)))
+
     def worst(self, V: torch.Tensor, same_prompt: torch.Tensor, chunk: int = 512) -> torch.Tensor:
         """max_{h in N_i} v_i^T h for every slot, over the whole set."""
         return self.top(V, same_prompt, 1, chunk)[0][:, 0]
@@ -38,11 +43,11 @@ class NegativeSet:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """The k hardest negatives of every slot: (scores (n, k), states (n, k, d))."""
         n, d = V.shape
-        best_s = torch.full((n, k), -math.inf)
-        best_h = torch.zeros(n, k, d)
+        best_s = torch.full((n, k), -math.inf, device=V.device)
+        best_h = torch.zeros(n, k, d, device=V.device)
         with torch.no_grad():
             for start in range(0, n, chunk):
-                rows = torch.arange(start, min(n, start + chunk))
+                rows = torch.arange(start, min(n, start + chunk), device=V.device)
                 s = V[rows] @ self.shared.T  # (r, M)
                 own = self.shared_owner[None, :] >= 0
                 # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are not negatives
@@ -75,7 +80,7 @@ class NegativeSet:
 def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
     """min_{h in P_i} v_i^T h for every slot."""
     s = (V[owner] * anchors).sum(-1)
-    out = torch.full((V.shape[0],), math.inf, dtype=s.dtype)
+    out = torch.full((V.shape[0],), math.inf, dtype=s.dtype, device=s.device)
     return out.scatter_reduce(0, owner, s, reduce="amin")
 
 
@@ -94,7 +99,7 @@ def refine_addresses(
     construction data): they do not enter the worst-anchor hinge; each adds its own squared hinge,
     weighted by ``refine_soft_weight`` and averaged, that turns the address towards it during the
     first two thirds of the steps; the last third restores the required anchors' margin."""
-    soft = torch.zeros(anchors.shape[0], dtype=torch.bool) if soft is None else soft
+    soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
     hard_a, hard_own = anchors[~soft], anchor_owner[~soft]
     soft_a, soft_own = anchors[soft], anchor_owner[soft]
     norms = V0.norm(dim=1, keepdim=True).clamp_min(1e-12)
@@ -168,7 +173,7 @@ def calibrate(
     separate from a negative is left out rather than opening the gate on that negative."""
     if not 0.0 < cfg.calibration_open_at <= 1.0:
         raise ValueError(f"calibration_open_at must be in (0, 1], got {cfg.calibration_open_at}")
-    soft = torch.zeros(anchors.shape[0], dtype=torch.bool) if soft is None else soft
+    soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
     anchors, anchor_owner, soft_a, soft_own = anchors[~soft], anchor_owner[~soft], anchors[soft], anchor_owner[soft]
     s_pos = min_anchor_scores(V, anchors, anchor_owner)
     hard_s, hard_h = negatives.top(V, same_prompt, cfg.refine_hard_negatives)
@@ -206,8 +211,8 @@ def calibrate(
 def _fit_inseparable(V, anchors, anchor_owner, rows, hard_h, tau0, alpha0, cfg: BuildConfig):
     """Balanced worst-case loss of an inseparable slot over its anchors and hardest negatives:
     the mean of a logistic loss on the worst half of each side, alpha kept >= its initial value."""
-    remap = torch.full((int(anchor_owner.max()) + 1,), -1, dtype=torch.long)
-    remap[rows] = torch.arange(len(rows))
+    remap = torch.full((int(anchor_owner.max()) + 1,), -1, dtype=torch.long, device=anchor_owner.device)
+    remap[rows] = torch.arange(len(rows), device=rows.device)
     keep = remap[anchor_owner] >= 0
     a_h, a_own = anchors[keep], remap[anchor_owner[keep]]
     s_pos = (V[a_own] * a_h).sum(-1)

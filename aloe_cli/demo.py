@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from .options import add_device_args
+
 DEMO_EDITS = Path(__file__).resolve().parents[1] / "examples" / "demo_edits.jsonl"
 # A lighter encoder than the default so that the first run (which trains and caches the
 # encoder for the model's layer) takes minutes on two CPU cores.
@@ -25,7 +27,7 @@ def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 6, ba
     """Greedy continuations of raw-text prompts (left padding)."""
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        enc = tokenizer(list(prompts[start: start + batch_size]), return_tensors="pt", padding=True)
+        enc = tokenizer(list(prompts[start: start + batch_size]), return_tensors="pt", padding=True).to(model.device)
         with torch.no_grad():
             ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
@@ -37,7 +39,9 @@ def hits(text: str, target: str) -> bool:
     return text.strip().lower().startswith(target.strip().lower())
 
 
-def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit: int | None = None) -> dict:
+def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit: int | None = None,
+             device: str | None = None, dtype: str | None = None) -> dict:
+    """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
     from aloe_eval.in_context import in_context
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
@@ -46,7 +50,7 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
 
     requests = load_edits(edits_path, limit=limit)
     print(f"loading {model_name} ...")
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     prompts = [r.prompt for r in requests]
     in_ctx = [in_context(r.prompt, 1, i)[0] for i, r in enumerate(requests)]
     rephrases = [r.rephrases[0] for r in requests if r.rephrases]
@@ -92,4 +96,5 @@ def add_demo_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/demo", help="where the operator is written")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--limit", type=int, default=None)
-    p.set_defaults(func=lambda a: (run_demo(Path(a.edits), Path(a.out), a.model, a.limit), 0)[1])
+    add_device_args(p)
+    p.set_defaults(func=lambda a: (run_demo(Path(a.edits), Path(a.out), a.model, a.limit, a.device, a.dtype), 0)[1])

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import torch
 
-from aloe_build import EditDataError, load_edits, load_model
+from aloe_build import EditDataError, load_edits
+from aloe_build.models import resolve_dtype
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
 from aloe_kernels import AloeOperator
 from aloe_kernels.errors import AloeError
+
+from .options import DTYPE_CHOICES, add_device_args, load_model_for
 
 
 def _sha256(path: Path) -> str:
@@ -80,7 +83,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except (EditDataError, AloeError, FileNotFoundError) as exc:
         print(f"aloe eval: error: {exc}", file=sys.stderr)
         return 2
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model_for(args)
     grace_cfg = None
     if "grace" in baselines:
         kw = {}
@@ -98,8 +101,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if op.layer is None and args.layer is None:
             print("aloe eval: error: the operator records no layer; pass --layer", file=sys.stderr)
             return 2
+        op_dtype = None if args.operator_dtype == "served" else resolve_dtype(args.operator_dtype, torch.device("cpu"))
         editor = AloeEditor(op, check_fingerprint=not args.no_check_fingerprint,
-                            layer=args.layer if op.layer is None else None)
+                            layer=args.layer if op.layer is None else None, dtype=op_dtype)
     meta = {
         "data_file": str(edits_path),
         "data_sha256": _sha256(edits_path),
@@ -155,5 +159,9 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_args(p)
+    p.add_argument("--operator-dtype", default="served", choices=("served",) + DTYPE_CHOICES[1:],
+                   help="precision of the patched operator (default served: float32 on CPU, the model's dtype on "
+                   "a GPU, as the HF patch and vLLM serve it); bfloat16 on CPU reproduces a GPU's numbers")
     p.set_defaults(func=_cmd_eval)
     return p

@@ -49,7 +49,9 @@ def _stats(t) -> dict[str, float] | None:
 def _cmd_build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from aloe_build import BuildConfig, build_operator, load_edits, load_model
+    from aloe_build import BuildConfig, build_operator, load_edits
+
+    from .options import load_model_for
 
     overrides = json.loads(Path(args.config).read_text()) if args.config else {}
     for item in args.set or []:
@@ -59,7 +61,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         overrides["layer"] = args.layer
     cfg = BuildConfig.from_dict(overrides)
     requests = load_edits(args.edits, limit=args.limit, skip_invalid=args.skip_invalid)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model_for(args)
     out = Path(args.out)
     op = build_operator(model, tokenizer, requests, cfg, out_dir=out)
     op.save(out)
@@ -74,6 +76,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .options import add_device_args
+
     parser = argparse.ArgumentParser(prog="aloe", description="Edit facts in a language model with ALOE operators.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -91,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-invalid", action="store_true", help="skip records with an empty target instead of failing")
     p.add_argument("--config", help="JSON file of BuildConfig fields")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field")
+    add_device_args(p)
     p.set_defaults(func=_cmd_build)
 
     from aloe_vllm.export import add_cli as add_vllm_cli
@@ -120,9 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:  # a clear one-line message rather than a traceback for expected errors
         from aloe_build import BuildError, EditDataError
+        from aloe_build.models import ModelLoadError
         from aloe_kernels.errors import AloeError
 
-        if isinstance(exc, (AloeError, FileNotFoundError, EditDataError, BuildError)):
+        if isinstance(exc, (AloeError, FileNotFoundError, EditDataError, BuildError, ModelLoadError)):
             print(f"aloe {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise

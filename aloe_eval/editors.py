@@ -61,12 +61,15 @@ class UneditedEditor(Editor):
 class AloeEditor(Editor):
     """An ALOE operator patched into the model with :func:`aloe_kernels.apply_aloe`."""
 
-    def __init__(self, op, name: str = "ALOE", check_fingerprint: bool = True, layer: int | None = None):
+    def __init__(self, op, name: str = "ALOE", check_fingerprint: bool = True, layer: int | None = None,
+                 dtype: torch.dtype | None = None):
+        """``dtype``: precision of the patched operator (``None``: as served, see :func:`apply_aloe`)."""
         if not isinstance(op, AloeOperator):
             raise TypeError(f"AloeEditor needs an AloeOperator, got {type(op).__name__}")
         self.op = op
         self.name = name
         self.check_fingerprint = check_fingerprint
+        self.dtype = dtype
         self.layer = op.layer if layer is None else layer
         if self.layer is None:
             raise ValueError("the operator records no layer; pass layer=")
@@ -83,7 +86,7 @@ class AloeEditor(Editor):
         self._gate_op = op.to("cpu", torch.float64 if op.dtype == torch.float64 else torch.float32)
 
     def attach(self, model: nn.Module) -> None:
-        apply_aloe(model, self.op, layer=self.layer, check_fingerprint=self.check_fingerprint)
+        apply_aloe(model, self.op, layer=self.layer, check_fingerprint=self.check_fingerprint, dtype=self.dtype)
 
     def detach(self, model: nn.Module) -> None:
         remove_aloe(model)
@@ -114,6 +117,7 @@ class AloeEditor(Editor):
             "base_model": op.base_model,
             "operator_hash": op.fingerprint(),
             "weight_fingerprint": op.weight_fingerprint,
+            "operator_dtype": "served" if self.dtype is None else str(self.dtype).removeprefix("torch."),
         }
 
 

@@ -154,12 +154,15 @@ def apply_aloe(
     layer: int | None = None,
     check_fingerprint: bool = True,
     deterministic: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> AloeDownProj:
     """Patch ``model`` in place so that one down-projection adds ``U g(h)``.
 
     ``layer`` defaults to the operator's own layer. The operator is moved to
-    the weight's device; on CPU it is kept in float32 (float64 stays), on
-    other devices it takes the weight's dtype. Refuses, with a
+    the weight's device. ``dtype=None`` keeps it as served: float32 on CPU
+    (float64 stays), the weight's dtype elsewhere, thresholds and temperatures
+    included; an explicit ``dtype`` (e.g. ``torch.bfloat16`` on CPU, to
+    reproduce a GPU's numbers) overrides that. Refuses, with a
     :class:`PatchError`, a layer out of range, a d/d_out mismatch, a
     fingerprint mismatch (when the operator records one and
     ``check_fingerprint``), and a model that is already patched.
@@ -188,7 +191,8 @@ def apply_aloe(
                 f"(built for {op.base_model or 'another model'}); pass check_fingerprint=False only if you know why"
             )
     w = site.weight()
-    dtype = op.dtype if op.dtype == torch.float64 else (torch.float32 if w.device.type == "cpu" else w.dtype)
+    if dtype is None:
+        dtype = op.dtype if op.dtype == torch.float64 else (torch.float32 if w.device.type == "cpu" else w.dtype)
     wrapper = AloeDownProj(site.module, op.to(w.device, dtype), deterministic=deterministic)
     setattr(site.parent, site.attr, wrapper)
     return wrapper

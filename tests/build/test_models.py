@@ -15,9 +15,12 @@ from torch import nn
 
 from aloe_build.models import (
     SMOLLM2_NAME,
+    ModelLoadError,
     default_layer,
     load_model,
     model_name,
+    resolve_device,
+    resolve_dtype,
     smollm2_cache_dir,
 )
 from aloe_kernels.hf import locate_down_proj
@@ -207,3 +210,19 @@ def test_model_without_mlp_down_projection():
         find_down_proj(NoMlp(), 0)
     with pytest.raises(ValueError, match="no decoder layer list"):
         find_down_proj(nn.Sequential(nn.Linear(4, 4)), 0)
+
+
+def test_device_and_dtype_defaults_follow_the_hardware():
+    cpu = torch.device("cpu")
+    assert resolve_device(None) == resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype(None, cpu) == resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bf16", cpu) == resolve_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="unknown dtype 'int8'"):
+        resolve_dtype("int8", cpu)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on a machine without CUDA")
+def test_cuda_asked_for_without_one_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="sees no CUDA device"):
+        load_model(tmp_path, device="cuda")

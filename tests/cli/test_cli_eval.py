@@ -19,14 +19,19 @@ def tiny():
     return tiny_model("llama"), tiny_tokenizer()
 
 
-def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
+def _saved(tiny, tmp_path):
+    """The tiny model, its edits and an operator that opens on them, on disk."""
     model, tok = tiny
     reqs = tiny_requests()
     model_dir = tmp_path / "tiny"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     edits = save_edits_jsonl(reqs, tmp_path / "edits.jsonl")
-    op_dir = gate_operator(model, tok, reqs, open_=True).save(tmp_path / "op")
+    return model_dir, edits, gate_operator(model, tok, reqs, open_=True).save(tmp_path / "op")
+
+
+def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
+    model_dir, edits, op_dir = _saved(tiny, tmp_path)
     out = tmp_path / "eval"
     rc = main(["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2",
                "--out", str(out), "--baseline", "grace", "--grace-iters", "20", "--quiet", "--batch-size", "4"])
@@ -50,3 +55,26 @@ def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
     assert d["primary"] == "unedited" and "GRACE (reimplementation)" in d["editors"]
     assert d["meta"]["layer"] == LAYER and "operator_hash" not in d["meta"]
     # nothing to evaluate
+
+
+def test_cli_eval_in_bfloat16_with_the_operator_as_a_gpu_serves_it(tiny, tmp_path):
+    model_dir, edits, op_dir = _saved(tiny, tmp_path)
+    out = tmp_path / "eval"
+    rc = main(["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2",
+               "--out", str(out), "--no-unedited", "--no-plots", "--quiet", "--batch-size", "4",
+               "--device", "cpu", "--dtype", "bfloat16", "--operator-dtype", "bfloat16"])
+    assert rc == 0
+    d = json.loads((out / "eval_report.json").read_text())
+    assert d["meta"]["settings"]["dtype"] == "bfloat16" and d["meta"]["settings"]["device"] == "cpu"
+    assert d["editors"]["ALOE"]["info"]["operator_dtype"] == "bfloat16"
+
+
+def test_cli_build_refuses_a_missing_device_with_a_message(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message given on a machine without CUDA")
+    edits = save_edits_jsonl(tiny_requests(), tmp_path / "edits.jsonl")
+    rc = main(["build", "--model", str(tmp_path), "--edits", str(edits), "--out", str(tmp_path / "op"),
+               "--device", "cuda"])
+    assert rc == 2 and "sees no CUDA device" in capsys.readouterr().err

@@ -1,0 +1,25 @@
+"""A build on a bfloat16 model (the GPU default) runs every stage and gives a working float32 operator."""
+
+from __future__ import annotations
+
+import torch
+from test_pipeline import _edits, _tiny_cfg
+from tiny_models import tiny_model, tiny_tokenizer
+
+from aloe_build.pipeline import build_operator
+from aloe_build.states import last_token_states
+from aloe_kernels import aloe_gates, weight_fingerprint
+from aloe_kernels.hf import locate_down_proj
+
+
+def test_bfloat16_model_builds_an_operator_that_opens_on_its_requests(tmp_path):
+    model32, tok = tiny_model("llama"), tiny_tokenizer()
+    model = tiny_model("llama").to(torch.bfloat16)
+    op = build_operator(model, tok, _edits()[:3], _tiny_cfg(tmp_path, refine_steps=200), out_dir=tmp_path / "r",
+                        log=None)
+    assert op.addresses.dtype == op.writes.dtype == op.thresholds.dtype == torch.float32
+    assert all(bool(torch.isfinite(t).all()) for t in (op.addresses, op.thresholds, op.temperatures, op.writes))
+    # the fingerprint is that of the checkpoint, whatever the precision it was loaded in
+    assert op.weight_fingerprint == weight_fingerprint(locate_down_proj(model32, 1).weight())
+    h = last_token_states(model, tok, [e.prompt for e in _edits()[:3]], 1)
+    assert (aloe_gates(h, op).diagonal() > 0).all()
