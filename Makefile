@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.aloe-installed
 
-.PHONY: install check test test-core demo clean install-vllm test-vllm
+.PHONY: install check test test-core demo clean install-vllm test-vllm gpu-check
 
 install: $(STAMP)
 
@@ -55,6 +55,11 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: install-vllm
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/vllm_plugin
+
+# The GPU suite on a lent GPU machine, from the source tree with the system python (nothing installed).
+# Fill scratch/ first on a machine with ../shared: python -m benchmarks.gpu_suite --prepare
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu_suite --part all
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -10,6 +10,7 @@ Providers
                        compile failure is reported, not fatal);
 - ``dense_lowrank``    two matmuls ``(h @ V^T) @ U`` into y, no norm, no gate:
                        what a rank-n LoRA would cost;
+- ``cublas_scores``    the score GEMM ``h @ V^T`` alone (the prefill yardstick);
 - ``sparse``           ``aloe_kernels.residual.sparse_residual_``, the CPU path.
 
 Workloads
@@ -55,7 +56,8 @@ from typing import Callable
 
 import torch
 
-SHAPES = {"smollm2": (1536, 576), "llama3-8b": (14336, 4096)}  # (d, d_out)
+# (d, d_out); "tiny" is for smoke runs on CPU (not in --shapes all).
+SHAPES = {"smollm2": (1536, 576), "llama3-8b": (14336, 4096), "tiny": (48, 24)}
 GPU_T = [1, 16, 64, 256, 2048, 8192]
 GPU_N = [1301, 10000, 100000]
 GPU_ACTIVE = ["0", "1", "10%"]
@@ -65,7 +67,8 @@ CPU_ACTIVE = ["0", "1", "10%", "all"]
 QUICK_T = [1, 16]
 QUICK_N = [10000]
 QUICK_ACTIVE = ["0", "1", "all"]
-PROVIDERS = ["aloe_triton", "aloe_triton_det", "reference", "reference_compiled", "dense_lowrank", "sparse"]
+PROVIDERS = ["aloe_triton", "aloe_triton_det", "reference", "reference_compiled", "dense_lowrank", "cublas_scores",
+             "sparse"]
 # HBM bandwidth (GB/s) by GPU name fragment, for pct_of_floor.
 GPU_BANDWIDTH = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0, "H100": 3350.0,
                  "A100-SXM4-80GB": 2039.0, "A100": 1555.0, "L40S": 864.0, "L4": 300.0, "A10G": 600.0}
@@ -98,34 +101,39 @@ def _active_count(spec: str, n: int) -> int:
 
 
 def make_workload(shape: str, T: int, n: int, active: str, dtype: torch.dtype, device: str,
-                  seed: int = 0):
+                  seed: int = 0, gen_device: str = "cpu"):
+    """One workload; ``gen_device="cuda"`` draws it on the GPU (seconds instead of minutes at n=100,000)."""
     from aloe_kernels import AloeOperator
 
     d, d_out = SHAPES[shape]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
     a = _active_count(active, n)
 
+    def randn(*size):
+        return torch.randn(*size, generator=gen, device=gen_device)
+
     def unit(rows):
-        return torch.nn.functional.normalize(torch.randn(rows, d, generator=gen), dim=1)
+        return torch.nn.functional.normalize(randn(rows, d), dim=1)
 
     addresses = unit(n)
-    thresholds = torch.full((n,), TAU)
+    thresholds = torch.full((n,), TAU, device=gen_device)
     if active == "all":
         thresholds.fill_(-5.0)
-        h = torch.randn(T, d, generator=gen)
+        h = randn(T, d)
     elif a == 0:
-        h = torch.randn(T, d, generator=gen)
+        h = randn(T, d)
     else:
         groups = max(1, min(T, n // a))
         centers = unit(groups)
-        gid = torch.arange(T) % groups
+        gid = torch.arange(T, device=gen_device) % groups
         h = centers[gid] + 0.3 * unit(T)
         for g in range(groups):
             rows = slice(g * a, (g + 1) * a)
             addresses[rows] = torch.nn.functional.normalize(centers[g] + 0.3 * unit(a), dim=1)
     h = h * 3.0  # activations are not unit vectors; the gate normalises anyway
-    op = AloeOperator(addresses=addresses, thresholds=thresholds, temperatures=torch.full((n,), ALPHA),
-                      writes=torch.randn(n, d_out, generator=gen) / math.sqrt(d_out))
+    op = AloeOperator(addresses=addresses, thresholds=thresholds,
+                      temperatures=torch.full((n,), ALPHA, device=gen_device),
+                      writes=randn(n, d_out) / math.sqrt(d_out))
     op = op.to(device=device, dtype=dtype)
     h = h.to(device=device, dtype=dtype)
     open_any, per_token = _measure_activity(h, op)
@@ -223,6 +231,8 @@ def build_providers(w: Workload, device: str, names: list[str], skipped: dict) -
         elif name == "dense_lowrank":
             A, W = op.addresses, op.writes
             out[name] = lambda: y.addmm_(torch.mm(h, A.T), W)
+        elif name == "cublas_scores":
+            out[name] = lambda: torch.mm(h, op.addresses.T)
         elif name == "sparse":
             out[name] = lambda: sparse_residual_(y, h, op)
         else:
@@ -390,7 +400,7 @@ def resolve_settings(args: argparse.Namespace, device: str) -> Settings:
     else:
         budget = 0.7 * torch.cuda.get_device_properties(0).total_memory
     return Settings(
-        device=device, dtype=dtype, shapes=list(SHAPES) if shapes == "all" else [shapes],
+        device=device, dtype=dtype, shapes=[k for k in SHAPES if k != "tiny"] if shapes == "all" else [shapes],
         Ts=args.T or Ts, ns=args.n or ns, actives=args.active or actives, providers=args.providers or PROVIDERS,
         reps=args.reps or (10 if args.quick else 15 if on_cpu else 20), mem_budget=budget,
         out_prefix=Path(args.out) if args.out else DEFAULT_OUT / f"gate_{device}",

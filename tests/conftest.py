@@ -1,9 +1,20 @@
 """Test set-up. TRITON_INTERPRET must be set before any Triton kernel is defined,
-so that the fused kernel runs on CPU in the interpreter."""
+so that the fused kernel runs on CPU in the interpreter.
 
+``ALOE_TEST_DEVICE=cuda`` runs the same test files on a GPU instead: the kernels
+are compiled (TRITON_INTERPRET=0), tensors are created on CUDA by default, and
+tensors drawn from a CPU ``torch.Generator`` are drawn on CPU, then moved, so the
+test data are the same numbers as on CPU.
+"""
+
+import functools
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE = os.environ.get("ALOE_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels: the interpreter would hide compile-time errors
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars are noise in test logs
@@ -14,6 +25,31 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("ALOE_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm")
+
+
+def _draw_on_cpu(fn):
+    """Wrap a torch random factory: a CPU generator draws on CPU, then the result moves to the default device."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, generator=None, **kwargs):
+        if generator is not None and generator.device.type == "cpu" and kwargs.get("device") is None:
+            return fn(*args, generator=generator, device="cpu", **kwargs).to(torch.get_default_device())
+        return fn(*args, generator=generator, **kwargs)
+
+    return wrapper
+
+
+def _use_test_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"ALOE_TEST_DEVICE={device} but torch.cuda.is_available() is False")
+    torch.set_default_device(device)
+    for name in _RANDOM_FACTORIES:
+        setattr(torch, name, _draw_on_cpu(getattr(torch, name)))
+
+
+if TEST_DEVICE != "cpu":
+    _use_test_device(TEST_DEVICE)
 
 
 @pytest.fixture(autouse=True)
@@ -30,12 +66,15 @@ def data_dir() -> Path:
 
 @pytest.fixture(params=["sparse", "fused"])
 def residual_path(request, monkeypatch):
-    """Run a test through the CPU sparse path and through the Triton kernel (interpreter)."""
+    """Run a test through the CPU sparse path and through the Triton kernel (interpreter on CPU)."""
     if request.param == "sparse":
+        if TEST_DEVICE != "cpu":
+            pytest.skip("on CUDA tensors the dispatch always takes the fused kernel; the sparse path is CPU-only")
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
         from aloe_kernels.ops import kernel_available
 
-        if os.environ.get("TRITON_INTERPRET") != "1" or not kernel_available():
+        compiled = TEST_DEVICE != "cpu"
+        if not kernel_available() or (not compiled and os.environ.get("TRITON_INTERPRET") != "1"):
             pytest.skip("the fused kernel needs Triton and TRITON_INTERPRET=1 set before start-up on CPU")
     return request.param

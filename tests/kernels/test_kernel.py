@@ -18,7 +18,8 @@ import aloe_kernels  # noqa: E402
 from aloe_kernels import AloeOperator  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="kernel tests run under TRITON_INTERPRET=1 on CPU"
+    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("ALOE_TEST_DEVICE", "cpu") == "cpu",
+    reason="kernel tests run under TRITON_INTERPRET=1 on CPU, or compiled with ALOE_TEST_DEVICE=cuda",
 )
 
 gate = pytest.importorskip("aloe_kernels.ops.aloe_gate")

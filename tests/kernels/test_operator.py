@@ -20,7 +20,7 @@ def test_round_trip_bit_exact(tmp_path, dtype):
     op = random_operator(7, 19, 5, dtype=dtype, edits=_edits(7), layer=3, module_path="model.layers.3.mlp.down_proj",
                          base_model="tiny", weight_fingerprint="sha256-bf16:abc")
     op.save(tmp_path / "art")
-    back = AloeOperator.load(tmp_path / "art")
+    back = AloeOperator.load(tmp_path / "art", device=op.device)
     for k in ("addresses", "thresholds", "temperatures", "writes"):
         a, b = getattr(op, k), getattr(back, k)
         assert a.dtype == b.dtype and torch.equal(a, b)
