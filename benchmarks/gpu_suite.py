@@ -29,17 +29,21 @@ lines of the run. ``--smoke`` runs every part on CPU with tiny shapes under
 TRITON_INTERPRET=1 (set before any kernel import) in well under a minute,
 skipping with a reason whatever needs CUDA; it writes to ``$TMPDIR/aloe_gpu_suite_smoke``.
 
-GPU procedure (30 minutes of device time, 10 per call):
+GPU procedure (30 minutes of device time, at most 10 per call; the machine is
+released after 30 s idle, so make the calls back to back):
 
 1. here: ``python -m benchmarks.gpu_suite --prepare`` (fills the untracked
-   ``scratch/``: tokenizer, 1,301 edits, acceptance.py; ~4 MiB), and
+   ``scratch/``: tokenizer, 1,301 edits, acceptance.py; ~4 MiB) and
    ``python -m benchmarks.gpu_suite --smoke``;
-2. call 1: ``--part tests,graph,gate``; call 2: ``--part decode,build``;
-   call 3: ``--part acceptance`` (its ``time`` sub-part alone may need a call:
-   ``--acceptance-parts correct,graph`` then ``--acceptance-parts time``);
-   with ``--out $OUT/gpu`` so the files come back;
-3. copy the returned files to ``benchmarks/results/gpu/<device>/`` and commit
-   them (``acceptance.txt`` included).
+2. on the GPU, one call each: ``python3 -m benchmarks.gpu_suite --part tests,graph``;
+   ``--part gate,decode``; ``--part build``; ``--part acceptance
+   --acceptance-parts correct,graph``; ``--part acceptance --acceptance-parts time``
+   (merge calls whose parts ran well under 10 minutes). With ``$OUT`` set, results
+   go to ``$OUT/benchmarks/results/gpu/<device>/``;
+3. copy that folder to ``benchmarks/results/gpu/<device>/`` and commit it; each
+   call's ``$OUT`` starts empty, so when the acceptance sub-parts ran in separate
+   calls, rebuild the file to commit there:
+   ``cat acceptance_correct.txt acceptance_graph.txt acceptance_time.txt > acceptance.txt``.
 
 If the image lacks pytest, the ``tests`` part says so; pure-Python pytest (with
 pluggy, iniconfig, packaging) put on PYTHONPATH makes it run.

@@ -118,9 +118,16 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def default_out(device: str) -> Path:
-    """``benchmarks/results/gpu/<device-slug>/``; the CPU smoke run writes to a temporary folder (not results)."""
+    """``benchmarks/results/gpu/<device-slug>/``; the CPU smoke run writes to a temporary folder (not results).
+
+    When ``$OUT`` is set (the device machine's folder of files that come back), the
+    same relative path is used under it, so the returned tree mirrors the repository.
+    """
+    import os
+
     if device == "cuda":
-        return RESULTS / slug(torch.cuda.get_device_name())
+        base = Path(os.environ["OUT"]) / RESULTS.relative_to(ROOT) if os.environ.get("OUT") else RESULTS
+        return base / slug(torch.cuda.get_device_name())
     import tempfile
 
     return Path(tempfile.gettempdir()) / "aloe_gpu_suite_smoke"
