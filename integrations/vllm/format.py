@@ -10,6 +10,10 @@ An exported serving directory is the base model's Hugging Face directory
   ``model.layers.{L}.mlp.down_proj.aloe_{addresses,thresholds,temperatures,writes}``,
   read by vLLM's own weight loader like any other checkpoint tensor;
 - ``aloe_edits.json``: the operator's per-edit metadata (ids, requests), for people;
+- ``capacity`` in the ``aloe`` section (optional): the number of edit slots the
+  layer reserves (``n`` <= ``capacity``); slots past ``n`` are inert
+  (:data:`INERT`), so a live swap of an operator with up to ``capacity`` edits
+  changes no tensor's shape;
 - ``model.safetensors.index.json`` rewritten (only when the base has one) so
   that vLLM's index filter keeps the operator file.
 
@@ -40,6 +44,11 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "AloeQwen3ForCausalLM",
 }
 BASE_ARCHITECTURES = {v: k for k, v in ARCHITECTURES.items()}
+#: Values of an inert (unused) slot per operator field. A zero address scores exactly 0 for every h,
+#: so the gate is sigmoid(1000 * (0 - 2)) = sigmoid(-2000), which is exactly 0.0 in float32 and
+#: float64 (exp(-2000) underflows) whatever gate_eps is; the open floor (2 + logit(gate_eps)/1000 > 1.9)
+#: is above any normalized score, so no screen keeps the slot; and the write is zero besides.
+INERT = {"addresses": 0.0, "thresholds": 2.0, "temperatures": 1000.0, "writes": 0.0}
 
 
 class AloeSpecError(AloeError, ValueError):
@@ -82,9 +91,18 @@ class AloeSpec:
     operator_fingerprint: str | None = None
     tensors_file: str = TENSORS_FILE
     version: int = SPEC_VERSION
+    capacity: int | None = None
+
+    @property
+    def slots(self) -> int:
+        """Edit slots the layer reserves: ``capacity``, or ``n`` when none is set."""
+        return self.n if self.capacity is None else self.capacity
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.capacity is None:
+            del out["capacity"]  # directories without live edits keep their former config
+        return out
 
     @classmethod
     def from_config(cls, config: Any, source: str = "config.json") -> "AloeSpec":
@@ -109,6 +127,11 @@ class AloeSpec:
             v = raw[key]
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise AloeSpecError(f"{source}: {CONFIG_KEY}.{key}: expected an int >= {low}, got {v!r}")
+        cap = raw.get("capacity")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < raw["n"]):
+            raise AloeSpecError(
+                f"{source}: {CONFIG_KEY}.capacity: expected an int >= n={raw['n']} (edit slots), got {cap!r}"
+            )
         eps, geps = raw["eps"], raw["gate_eps"]
         if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
             raise AloeSpecError(f"{source}: {CONFIG_KEY}.eps: expected a finite float > 0, got {eps!r}")

@@ -19,20 +19,28 @@ With one rank this is a single pass through ``aloe_kernels.aloe_residual_``
 operators of a few hundred edits and more, the screened path
 (``aloe_vllm::screened_residual_``: a bf16 screen over all edits, exact fp32
 gates for the few that may open; same result, a fraction of the cost).
+
+Live edits: the layer reserves ``capacity`` slots (config.json's ``aloe.capacity``,
+default n); :meth:`AloeRowParallelLinear.aloe_swap_` copies a new operator into
+the first rows of the existing tensors and makes the rest inert
+(``format.INERT``: gate exactly 0), so no shape or address changes. The CPU ops
+read the live count (``aloe_active``) and skip the inert slots.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.nn import Parameter
 
-from aloe_kernels.screened import screen_limit
+from aloe_kernels.operator import AloeOperator
 from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.linear import RowParallelLinear
 
 from . import ops  # noqa: F401  (importing registers the torch.ops.aloe_vllm custom ops)
-from .format import AloeSpec, AloeSpecError, edit_share
-from .screen import make_screen_gemm, screening_enabled
+from .format import INERT, AloeSpec, AloeSpecError, edit_share
+from .screen import refresh_screen_, screen_buffers, screening_enabled
 
 __all__ = ["AloeRowParallelLinear"]
 
@@ -65,37 +73,69 @@ class AloeRowParallelLinear(RowParallelLinear):
                 f"{input_size} to {output_size}"
             )
         self.aloe_spec = spec
-        self.aloe_n = spec.n
+        # The layer reserves spec.slots edit slots (capacity); rows past the live operator's n are inert,
+        # so a live swap (aloe_swap_) rewrites tensors in place and never changes a shape.
+        self.aloe_n = spec.slots
         self.aloe_eps = float(spec.eps)
         self.aloe_gate_eps = float(spec.gate_eps)
-        self.aloe_lo, self.aloe_hi = edit_share(spec.n, self.tp_rank, self.tp_size)
+        self.aloe_lo, self.aloe_hi = edit_share(self.aloe_n, self.tp_rank, self.tp_size)
         n_share = self.aloe_hi - self.aloe_lo
         d_shard = self.input_size_per_partition
         shapes = {
-            "aloe_addresses": ((spec.n, d_shard), aloe_dtype),
+            "aloe_addresses": ((self.aloe_n, d_shard), aloe_dtype),
             "aloe_thresholds": ((n_share,), torch.float32),
             "aloe_temperatures": ((n_share,), torch.float32),
             "aloe_writes": ((n_share, output_size), aloe_dtype),
         }
         for name, (shape, dtype) in shapes.items():
             param = Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            param.data.fill_(INERT[name.removeprefix("aloe_")])
             param.weight_loader = self._make_aloe_loader(name)
             self.register_parameter(name, param)
+        # Live edits in use (first rows); the CPU ops read it to skip the inert slots.
+        self.register_buffer("aloe_active", torch.tensor([spec.n], dtype=torch.int64), persistent=False)
+        self.aloe_active_n = spec.n
+        self.aloe_operator_hash = spec.operator_fingerprint
+        self.aloe_loaded_at: float | None = None
         self.aloe_loaded: set[str] = set()
         self.aloe_screen = False
 
     def aloe_finalize(self) -> None:
         """After loading: set up the screened CPU path if it applies (bf16 copies of the addresses)."""
+        self.aloe_loaded_at = time.time()
         self.aloe_screen = screening_enabled(self.aloe_n, self.aloe_addresses.device, self.tp_size)
         if self.aloe_screen:
-            a_lo, handle = make_screen_gemm(self.aloe_addresses)
-            self.register_buffer("aloe_addresses_lo", a_lo, persistent=False)
-            self.register_buffer("aloe_screen_handle", handle, persistent=False)
-            self.register_buffer("aloe_limit_lo", screen_limit(self.aloe_thresholds.detach(),
-                                                               self.aloe_temperatures.detach(),
-                                                               self.aloe_gate_eps), persistent=False)
+            for name, buf in screen_buffers(self.aloe_n, self.aloe_addresses).items():
+                self.register_buffer(name, buf, persistent=False)
+            self._aloe_refresh_screen()
+
+    def _aloe_refresh_screen(self) -> None:
+        refresh_screen_(self.aloe_addresses_lo, self.aloe_screen_handle, self.aloe_limit_lo,
+                        self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures, self.aloe_gate_eps,
+                        self.aloe_active_n)
 
     # ---------------------------------------------------------------- loading
+    def _place_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Write the full (unsharded) edit rows ``rows`` (n, ...) into this rank's part of ``name``.
+
+        Addresses keep every edit (this rank's columns of d); the other fields keep the rank's
+        share of slots. Slots from n up to the previously live count are reset to inert (later
+        ones already are), so a smaller operator leaves no stale edit behind.
+        """
+        param = getattr(self, name)
+        n, prev = rows.shape[0], self.aloe_active_n
+        if name == "aloe_addresses":
+            lo, hi = 0, self.aloe_n
+            rows = rows.narrow(1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
+        else:
+            lo, hi = self.aloe_lo, self.aloe_hi
+        k = max(0, min(hi, n) - lo)
+        if k:
+            param.data[:k].copy_(rows[lo:lo + k])
+        stale = max(0, min(hi, max(prev, n)) - lo)
+        if stale > k:
+            param.data[k:stale].fill_(INERT[name.removeprefix("aloe_")])
+
     def _make_aloe_loader(self, name: str):
         spec = self.aloe_spec
         full = {
@@ -119,14 +159,34 @@ class AloeRowParallelLinear(RowParallelLinear):
                 raise AloeSpecError(f"ALOE operator tensor {where}: {bad} NaN/Inf entries (corrupt operator?)")
             if name == "aloe_temperatures" and loaded.numel() and not bool((loaded > 0).all()):
                 raise AloeSpecError(f"ALOE operator tensor {where}: every temperature must be > 0")
-            if name == "aloe_addresses":
-                part = loaded.narrow(1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
-            else:
-                part = loaded.narrow(0, self.aloe_lo, self.aloe_hi - self.aloe_lo)
-            param.data.copy_(part)
+            self._place_rows(name, loaded)
             self.aloe_loaded.add(name)
 
         return loader
+
+    # ---------------------------------------------------------------- live swap
+    def aloe_swap_(self, op: AloeOperator, operator_hash: str) -> None:
+        """Replace the live operator by ``op`` (already validated: ``aloe_vllm.swap.check_for_swap``), in place.
+
+        Only the contents of the existing tensors change (their shapes and addresses stay), so
+        compiled graphs stay valid. The caller runs this between two forward passes (vLLM's
+        ``collective_rpc`` does, on every rank at the same step).
+        """
+        if op.n > self.aloe_n:
+            raise AloeSpecError(f"{self.prefix}: {op.n} edits do not fit in {self.aloe_n} slots")
+        for field in ("addresses", "thresholds", "temperatures", "writes"):
+            self._place_rows("aloe_" + field, getattr(op, field).detach())
+        self.aloe_active_n = op.n
+        self.aloe_active.fill_(op.n)
+        if self.aloe_screen:
+            self._aloe_refresh_screen()
+        self.aloe_operator_hash = operator_hash
+        self.aloe_loaded_at = time.time()
+
+    def aloe_info(self) -> dict:
+        """The live operator: ``n``, ``capacity``, ``operator_hash``, ``loaded_at`` (Unix seconds)."""
+        return {"n": self.aloe_active_n, "capacity": self.aloe_n, "operator_hash": self.aloe_operator_hash,
+                "loaded_at": self.aloe_loaded_at}
 
     # ---------------------------------------------------------------- forward
     def _add_aloe_(self, out: torch.Tensor, h: torch.Tensor) -> None:
@@ -135,13 +195,13 @@ class AloeRowParallelLinear(RowParallelLinear):
             torch.ops.aloe_vllm.screened_residual_(
                 out, h, self.aloe_addresses_lo, self.aloe_screen_handle, self.aloe_limit_lo, self.aloe_addresses,
                 self.aloe_thresholds,
-                self.aloe_temperatures, self.aloe_writes, self.aloe_eps, self.aloe_gate_eps,
+                self.aloe_temperatures, self.aloe_writes, self.aloe_eps, self.aloe_gate_eps, self.aloe_active,
             )
             return
         if self.tp_size == 1:
             torch.ops.aloe_vllm.residual_(
                 out, h, self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures, self.aloe_writes,
-                self.aloe_eps, self.aloe_gate_eps,
+                self.aloe_eps, self.aloe_gate_eps, self.aloe_active,
             )
             return
         scores = torch.ops.aloe_vllm.partial_scores(h, self.aloe_addresses)
@@ -175,6 +235,7 @@ class AloeRowParallelLinear(RowParallelLinear):
     def extra_repr(self) -> str:
         return (
             super().extra_repr()
-            + f", aloe_n={self.aloe_n}, aloe_share=[{self.aloe_lo}, {self.aloe_hi}), aloe_layer={self.aloe_spec.layer}"
+            + f", aloe_n={self.aloe_active_n}, aloe_capacity={self.aloe_n}"
+            + f", aloe_share=[{self.aloe_lo}, {self.aloe_hi}), aloe_layer={self.aloe_spec.layer}"
             + f", aloe_screen={self.aloe_screen}"
         )

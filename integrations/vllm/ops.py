@@ -5,13 +5,15 @@ shapes) and calls into ``aloe_kernels``, which dispatches to the fused Triton
 kernels where they run (CUDA, or CPU under ``TRITON_INTERPRET=1``) and to
 PyTorch otherwise:
 
-- ``aloe_vllm::residual_(y, h, A, tau, alpha, U, eps, gate_eps)``: one rank
+- ``aloe_vllm::residual_(y, h, A, tau, alpha, U, eps, gate_eps, active=None)``: one rank
   (TP=1): ``y += U g(h)`` in place, through :func:`aloe_kernels.aloe_residual_`.
-- ``aloe_vllm::screened_residual_(y, h, A_lo, handle, limit_lo, A, tau, alpha, U, eps, gate_eps)``:
+  ``active`` (a one-element int64 tensor, the layer's live edit count) makes
+  the CPU ops skip the inert slots past it (the layer reserves ``capacity``).
+- ``aloe_vllm::screened_residual_(y, h, A_lo, handle, limit_lo, A, tau, alpha, U, eps, gate_eps, active=None)``:
   the TP=1 CPU fast path, :func:`aloe_kernels.screened.screened_residual_`
   (a bf16 screen, exact fp32 gates for the edits that may open), whose screen
   GEMM runs on vLLM's prepacked oneDNN handle when there is one
-  (:func:`aloe_vllm.screen.make_screen_gemm`).
+  (:func:`aloe_vllm.screen.refresh_screen_`).
 - ``aloe_vllm::partial_scores(h_shard, A_shard) -> (T, n+1) fp32``: tensor
   parallel phase A (:func:`aloe_kernels.tensor_parallel.partial_scores`). The
   caller sums it over the TP group.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -74,20 +76,36 @@ def _onednn_screen(screen_handle: torch.Tensor, n: int) -> Callable[[torch.Tenso
     return gemm
 
 
+def _live_rows(addresses: torch.Tensor, active: Optional[torch.Tensor]) -> int:
+    """How many leading slots hold live edits: ``active`` on CPU, every slot elsewhere.
+
+    Reading the count is free on CPU; on a GPU it would synchronize (and break CUDA graph
+    capture), and there the inert slots cost only bandwidth (their gates are exactly 0).
+    """
+    if active is None or addresses.device.type != "cpu":
+        return addresses.shape[0]
+    return min(int(active.reshape(-1)[0]), addresses.shape[0])
+
+
 @torch.library.custom_op("aloe_vllm::residual_", mutates_args=("y",))
 def residual_(
     y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
     temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float,
+    active: Optional[torch.Tensor] = None,
 ) -> None:
     """``y += U g(h)`` through the runtime's dispatch (fused kernel or sparse PyTorch)."""
+    k = _live_rows(addresses, active)
+    if k == 0:
+        return
     with _timed(h.numel() // h.shape[-1]):
         # The layer checked these tensors when it loaded them; validating them every forward would
         # cost more than the residual at decode.
-        aloe_residual_(y, h, AloeOperator.unchecked(addresses, thresholds, temperatures, writes, eps, gate_eps))
+        aloe_residual_(y, h, AloeOperator.unchecked(addresses[:k], thresholds[:k], temperatures[:k], writes[:k],
+                                                    eps, gate_eps))
 
 
 @residual_.register_fake
-def _residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_eps) -> None:
+def _residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_eps, active=None) -> None:
     return None
 
 
@@ -95,18 +113,26 @@ def _residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_
 def screened_residual_(
     y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, screen_handle: torch.Tensor,
     limit_lo: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-    writes: torch.Tensor, eps: float, gate_eps: float,
+    writes: torch.Tensor, eps: float, gate_eps: float, active: Optional[torch.Tensor] = None,
 ) -> None:
-    """``y += U g(h)``: the screened CPU path (an empty ``screen_handle`` screens with ``addresses_lo``)."""
+    """``y += U g(h)``: the screened CPU path (an empty or zero ``screen_handle`` screens with ``addresses_lo``).
+
+    Only the first ``active`` slots are screened (the packed matrix holds just those).
+    """
+    k = _live_rows(addresses, active)
+    if k == 0:
+        return
     with _timed(h.numel() // h.shape[-1]):
-        gemm = _onednn_screen(screen_handle, addresses.shape[0]) if screen_handle.numel() else None
-        screened.screened_residual_(y, h, addresses_lo, limit_lo, addresses, thresholds, temperatures, writes,
-                                    eps, gate_eps, gemm)
+        # An empty handle, or 0, means no packed matrix: screen with addresses_lo.
+        packed = screen_handle.numel() == 1 and int(screen_handle) != 0
+        gemm = _onednn_screen(screen_handle, k) if packed else None
+        screened.screened_residual_(y, h, addresses_lo[:k], limit_lo[:k], addresses[:k], thresholds[:k],
+                                    temperatures[:k], writes[:k], eps, gate_eps, gemm)
 
 
 @screened_residual_.register_fake
 def _screened_fake(y, h, addresses_lo, screen_handle, limit_lo, addresses, thresholds, temperatures, writes, eps,
-                   gate_eps) -> None:
+                   gate_eps, active=None) -> None:
     return None
 
 

@@ -109,7 +109,7 @@ def test_tp_split_math_matches_reference(tp):
 def test_screened_cpu_path_is_exact(dtype):
     """The bf16 screen never drops an edit that opens: same result as the fp32 reference."""
     from aloe_kernels.screened import screen_limit, screened_residual_
-    from aloe_vllm.screen import make_screen_gemm
+    from aloe_vllm.screen import refresh_screen_, screen_buffers
 
     g = torch.Generator().manual_seed(1)
     d, d_out, n, T = 256, 24, 400, 96
@@ -136,10 +136,13 @@ def test_screened_cpu_path_is_exact(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
     # through the custom op, with the prepacked oneDNN GEMM (vLLM's CPU kernel) when available
-    a_pk, handle = make_screen_gemm(op.addresses)
+    bufs = screen_buffers(n, op.addresses)
+    refresh_screen_(bufs["aloe_addresses_lo"], bufs["aloe_screen_handle"], bufs["aloe_limit_lo"], op.addresses,
+                    op.thresholds, op.temperatures, op.gate_eps, n)
     y2 = torch.zeros(T, d_out, dtype=dtype)
-    torch.ops.aloe_vllm.screened_residual_(y2, hx, a_pk, handle, lim, op.addresses, op.thresholds,
-                                           op.temperatures, op.writes, op.eps, op.gate_eps)
+    torch.ops.aloe_vllm.screened_residual_(y2, hx, bufs["aloe_addresses_lo"], bufs["aloe_screen_handle"], lim,
+                                           op.addresses, op.thresholds, op.temperatures, op.writes, op.eps,
+                                           op.gate_eps)
     torch.testing.assert_close(y2, y)
 
 

@@ -219,7 +219,9 @@ def run_vllm_generate(runs: list[dict], *, tp: int = 1, env: dict[str, str] | No
 
     Each run is ``{"model": dir, "prompts": [...], "max_tokens": n, "eager": bool}``, or has
     ``"prompt_token_ids": [[...], ...]`` instead of ``"prompts"`` (then vLLM loads no tokenizer),
-    and optionally ``"env": {...}`` applied before the run (e.g. ``TRITON_INTERPRET``).
+    and optionally ``"env": {...}`` applied before the run (e.g. ``TRITON_INTERPRET``) and
+    ``"swaps": [operator_dir, ...]``: generate, then for each directory swap it in with
+    ``aloe_vllm.swap.swap_operator`` and generate again (the run's result is then one list per phase).
     Runs execute one after another in the same child (each LLM is torn down
     before the next). Raises RuntimeError with the child's output tail on failure.
     """
@@ -249,6 +251,8 @@ def _child_main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
 
+    from aloe_vllm.swap import EXTENSION, swap_operator
+
     spec = json.loads(Path(spec_path).read_text())
     results = []
     for run in spec["runs"]:
@@ -256,12 +260,18 @@ def _child_main(spec_path: str, out_path: str) -> None:
         token_ids = run.get("prompt_token_ids")
         llm = LLM(model=run["model"], dtype=run.get("dtype", "float32"), enforce_eager=bool(run.get("eager", True)),
                   max_model_len=int(run.get("max_model_len", 256)), seed=0,
-                  tensor_parallel_size=int(spec.get("tp", 1)), skip_tokenizer_init=token_ids is not None)
+                  tensor_parallel_size=int(spec.get("tp", 1)), skip_tokenizer_init=token_ids is not None,
+                  worker_extension_cls=EXTENSION if "swaps" in run else "")
         params = SamplingParams(temperature=0.0, max_tokens=int(run["max_tokens"]), ignore_eos=False,
                                 detokenize=token_ids is None)
         prompts = [{"prompt_token_ids": ids} for ids in token_ids] if token_ids is not None else run["prompts"]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        results.append([list(o.outputs[0].token_ids) for o in outs])
+        phases = []
+        for swap in [None, *run.get("swaps", [])]:
+            if swap is not None:
+                swap_operator(llm, swap)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            phases.append([list(o.outputs[0].token_ids) for o in outs])
+        results.append(phases if "swaps" in run else phases[0])
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()

@@ -1,0 +1,132 @@
+"""Live operator swaps: validation, and the stage / commit protocol over vLLM's ``collective_rpc``.
+
+A swap replaces the served operator by the one in an artifact directory built
+for the same base model, without restarting the engine:
+
+1. ``aloe_stage(path)`` on every rank: a background thread loads the
+   artifact on CPU and checks it against the served layer (:func:`check_for_swap`);
+   nothing live is touched and the engine keeps stepping meanwhile.
+2. ``aloe_staged()`` is polled until every rank reports ``ok`` (same operator
+   hash everywhere) or one reports an error, which refuses the swap.
+3. ``aloe_commit(hash)`` on every rank copies the staged tensors into the
+   layer's existing parameters (``AloeRowParallelLinear.aloe_swap_``).
+
+vLLM runs a ``collective_rpc`` between two engine steps (the engine core's
+busy loop handles it between steps; with tensor parallelism every worker takes
+the broadcast in the same order relative to the step messages), so each
+forward pass sees one operator version, and all ranks switch at the same step.
+The worker side is :class:`aloe_vllm.worker.AloeWorkerExtension` (vLLM's
+``worker_extension_cls``); this module has no vLLM import.
+
+``swap_operator(llm, path)`` runs the protocol on an offline ``vllm.LLM``;
+``aloe_vllm.admin`` runs it behind ``POST /v1/aloe/operator``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from aloe_kernels.errors import ArtifactError
+from aloe_kernels.operator import AloeOperator
+
+from .format import AloeSpec, AloeSpecError
+
+__all__ = ["EXTENSION", "SwapRefused", "check_for_swap", "load_for_swap", "operator_info", "staged_hash",
+           "swap_operator"]
+
+#: vLLM's ``worker_extension_cls`` that adds the swap methods to every worker.
+EXTENSION = "aloe_vllm.worker.AloeWorkerExtension"
+
+
+class SwapRefused(AloeSpecError):
+    """An operator that may not replace the served one (the served one stays); the message says why."""
+
+
+def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -> None:
+    """Refuse ``op`` unless it fits the served layer described by ``spec`` (SwapRefused names the problem).
+
+    The operator's own load already checked shapes, dtypes, finiteness and temperatures > 0. Here:
+    the base weight fingerprint (required: a live swap must not guess), layer, d / d_out, the
+    number of edits against the reserved slots, and eps / gate_eps, which the served graph holds
+    as constants.
+    """
+    if not op.weight_fingerprint:
+        raise SwapRefused(f"{source}: the operator records no weight fingerprint, so it cannot be checked "
+                          "against the served base model")
+    if spec.weight_fingerprint and op.weight_fingerprint != spec.weight_fingerprint:
+        raise SwapRefused(
+            f"{source}: weight fingerprint mismatch: the operator was built for a down_proj weight with "
+            f"fingerprint {op.weight_fingerprint} ({op.base_model or 'unknown base'}), but the served model "
+            f"has {spec.weight_fingerprint} at layer {spec.layer}: wrong base model or layer"
+        )
+    if op.layer is not None and op.layer != spec.layer:
+        raise SwapRefused(f"{source}: the operator edits layer {op.layer}, the served operator layer {spec.layer}")
+    if (op.d, op.d_out) != (spec.d, spec.d_out):
+        raise SwapRefused(f"{source}: the operator maps d={op.d} to d_out={op.d_out}, the served layer maps "
+                          f"{spec.d} to {spec.d_out}")
+    if op.n > spec.slots:
+        raise SwapRefused(f"{source}: the operator has n={op.n} edits, more than the capacity of {spec.slots} "
+                          "slots the server reserved (serve with a larger --max-edits)")
+    if (float(op.eps), float(op.gate_eps)) != (float(spec.eps), float(spec.gate_eps)):
+        raise SwapRefused(f"{source}: the operator has eps={op.eps}, gate_eps={op.gate_eps}; the served layer "
+                          f"was set up with eps={spec.eps}, gate_eps={spec.gate_eps}")
+
+
+def load_for_swap(path: str | os.PathLike, spec: AloeSpec) -> AloeOperator:
+    """Load the artifact at ``path`` on CPU and check it (:func:`check_for_swap`); SwapRefused on any problem."""
+    try:
+        op = AloeOperator.load(path)
+    except (ArtifactError, OSError, ValueError) as exc:
+        raise SwapRefused(str(exc)) from exc
+    check_for_swap(op, spec, str(path))
+    return op
+
+
+def operator_info(infos: list[dict | None]) -> dict:
+    """The served operator as ``GET /v1/aloe/operator`` reports it, from the ranks' ``aloe_operator_info()``."""
+    live = [i for i in infos if i]
+    if not live:
+        raise RuntimeError("no worker holds an ALOE layer (is this an ALOE serving directory?)")
+    return {k: live[0][k] for k in ("n", "capacity", "operator_hash", "loaded_at")}
+
+
+def staged_hash(states: list[dict | None]) -> str | None:
+    """The staged operator's hash once every rank holding the layer has it; None while one is loading.
+
+    Raises SwapRefused with the first rank's reason when a rank refused it.
+    """
+    live = [s for s in states if s]
+    for s in live:
+        if s["state"] == "error":
+            raise SwapRefused(s["error"])
+    if not live or any(s["state"] != "ok" for s in live):
+        return None
+    hashes = {s["hash"] for s in live}
+    if len(hashes) != 1:  # the file changed between the ranks' reads
+        raise SwapRefused(f"the ranks read different operators ({sorted(hashes)}); was the artifact rewritten?")
+    return hashes.pop()
+
+
+def swap_operator(llm: Any, path: str | os.PathLike, timeout: float = 300.0,
+                  poll: Callable[[], None] = lambda: time.sleep(0.01)) -> dict:
+    """Swap the operator served by an offline ``vllm.LLM`` (created with ``worker_extension_cls=EXTENSION``).
+
+    Returns the new :func:`operator_info`; raises SwapRefused (the old operator keeps serving)
+    when the artifact is refused. Call it between ``generate`` calls (the engine applies it
+    between steps in any case).
+    """
+    where = str(Path(path).expanduser().resolve())
+    llm.collective_rpc("aloe_stage", args=(where,))
+    deadline = time.monotonic() + timeout
+    while (digest := staged_hash(llm.collective_rpc("aloe_staged"))) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{where}: not staged after {timeout:.0f}s")
+        poll()
+    info = operator_info(llm.collective_rpc("aloe_commit", args=(digest,)))
+    # Cached prefixes hold KV computed under the old operator; between generate calls nothing
+    # runs, so the reset succeeds.
+    llm.reset_prefix_cache()
+    return info
