@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -184,17 +185,7 @@ def calibrate(
         counted = (s_soft >= floor[soft_own]) & (s_pos > s_neg)[soft_own]
         s_pos = torch.minimum(s_pos, min_anchor_scores(V, soft_a[counted], soft_own[counted]))
     norms = V.norm(dim=1).clamp_min(1e-12)
-    p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
-    z_pos = _logit(p_open)
-    # the worst negative lands this many logits below the dead-zone edge: its gate is exactly 0
-    z_neg = _logit(gate_eps) - cfg.calibration_negative_slack
-    gap = s_pos - s_neg
-    separable = gap > 1e-6 * norms
-    # the gate reaches open_gate this far from the worst negative towards the worst anchor
-    # (1 = at the worst anchor, the paper's calibration; less opens states between the two wider)
-    reach = cfg.calibration_open_at * gap
-    alpha = torch.where(separable, (z_pos - z_neg) / reach.clamp_min(1e-12), cfg.inseparable_temperature / norms)
-    tau = torch.where(separable, s_neg + reach - z_pos / alpha, (s_pos + s_neg) / 2)
+    tau, alpha, separable = _closed_form(s_pos, s_neg, norms, gate_eps, cfg)
     bad = (~separable).nonzero().squeeze(1)
     if bad.numel():
         tau_b, alpha_b = _fit_inseparable(
@@ -206,6 +197,53 @@ def calibrate(
         tau_b = torch.maximum(tau_b, hard_s[bad, -1] - _logit(gate_eps) / alpha_b)
         tau[bad], alpha[bad] = tau_b, alpha_b
     return Calibration(tau, alpha, separable, s_pos, s_neg)
+
+
+def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, gate_eps: float, cfg: BuildConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thresholds, temperatures and separability from each slot's worst anchor and worst negative
+    scores; an inseparable slot gets the midpoint at ``inseparable_temperature``."""
+    p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
+    z_pos = _logit(p_open)
+    # the worst negative lands this many logits below the dead-zone edge: its gate is exactly 0
+    z_neg = _logit(gate_eps) - cfg.calibration_negative_slack
+    gap = s_pos - s_neg
+    separable = gap > 1e-6 * norms
+    # the gate reaches open_gate this far from the worst negative towards the worst anchor
+    # (1 = at the worst anchor, the paper's calibration; less opens states between the two wider)
+    reach = cfg.calibration_open_at * gap
+    alpha = torch.where(separable, (z_pos - z_neg) / reach.clamp_min(1e-12), cfg.inseparable_temperature / norms)
+    tau = torch.where(separable, s_neg + reach - z_pos / alpha, (s_pos + s_neg) / 2)
+    return tau, alpha, separable
+
+
+def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: torch.Tensor, s_neg: torch.Tensor,
+                states: Sequence[torch.Tensor], gate_eps: float, cfg: BuildConfig, chunk: int = 8192
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 5 again for the slots that would open on new negative ``states`` (an append's anchors
+    and negatives): their worst negative becomes the new state's score and the closed form gives
+    new thresholds and temperatures. A slot the new state makes inseparable keeps its temperature
+    and moves its threshold just far enough that the new state falls in the dead zone (locality
+    first, as stage 5 does for inseparable slots).
+
+    Returns ``(tau, alpha, s_neg, changed)``: the updated (n,) tensors and the indices recalibrated."""
+    floor = tau + _logit(gate_eps) / alpha  # scores at or below this are in the dead zone
+    best = torch.full_like(s_neg, -math.inf)
+    with torch.no_grad():
+        for part in states:
+            for start in range(0, part.shape[0], chunk):
+                best = torch.maximum(best, (part[start: start + chunk].to(V) @ V.T).amax(0))
+    changed = (best > floor).nonzero().squeeze(1)
+    tau, alpha, s_neg = tau.clone(), alpha.clone(), s_neg.clone()
+    if changed.numel():
+        s_neg[changed] = torch.maximum(s_neg[changed], best[changed])
+        norms = V[changed].norm(dim=1).clamp_min(1e-12)
+        t, a, sep = _closed_form(s_pos[changed], s_neg[changed], norms, gate_eps, cfg)
+        a = torch.where(sep, a, alpha[changed])
+        # the margin of calibration_negative_slack logits below the dead-zone edge, as for any negative
+        t = torch.where(sep, t, best[changed] - (_logit(gate_eps) - cfg.calibration_negative_slack) / a)
+        tau[changed], alpha[changed] = t, a
+    return tau, alpha, s_neg, changed
 
 
 def _fit_inseparable(V, anchors, anchor_owner, rows, hard_h, tau0, alpha0, cfg: BuildConfig):

@@ -40,11 +40,16 @@ def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path) -> Non
     write_atomically(file, lambda tmp: save_file(tensors, str(tmp)))
 
 
-def run_key(requests: Sequence[Any], fingerprint: str, layer: int) -> str:
-    """Hash of the edit requests, the edited weight and the layer: what every checkpoint depends on."""
+#: Bump when what a stage stores changes, so that older checkpoints are recomputed, not misread.
+CHECKPOINT_FORMAT = 2
+
+
+def run_key(requests: Sequence[Any], fingerprint: str, layer: int, base: str = "") -> str:
+    """Hash of the edit requests, the edited weight, the layer and (for an append) the hash of the
+    operator appended to: what every checkpoint depends on."""
     h = hashlib.sha256()
     h.update(json.dumps([r.to_dict() for r in requests], sort_keys=True, ensure_ascii=False).encode())
-    h.update(f"{fingerprint}:{layer}".encode())
+    h.update(f"{fingerprint}:{layer}:{CHECKPOINT_FORMAT}:{base}".encode())
     return h.hexdigest()[:16]
 
 

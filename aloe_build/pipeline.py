@@ -8,21 +8,23 @@ earlier checkpoints kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from aloe_kernels import AloeOperator, weight_fingerprint
+from aloe_kernels import AloeOperator, apply_aloe, remove_aloe, weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.operator import DEFAULT_EPS, DEFAULT_GATE_EPS
 
 from . import addresses as addr
+from .build_state import BuildState
 from .checkpoints import StageCheckpoints, run_key
 from .config import BuildConfig
 from .corpus import Corpus, load_corpus
@@ -48,6 +50,14 @@ from .writes import (
 
 class BuildError(RuntimeError):
     """A build stopped; the message names the stage and what to do."""
+
+
+@dataclass
+class AppendBase:
+    """The operator a build appends to, with its build state (:mod:`aloe_build.build_state`)."""
+
+    op: AloeOperator
+    state: BuildState
 
 
 @dataclass
@@ -116,8 +126,9 @@ class _Build:
     """One build: its settings, checkpoints and report, and a method per stage."""
 
     def __init__(self, model, tokenizer, requests: Sequence[EditRequest], cfg: BuildConfig,
-                 out_dir: str | os.PathLike | None, log: Callable[[str], None] | None):
-        self.model, self.tokenizer, self.requests, self.cfg = model, tokenizer, requests, cfg
+                 out_dir: str | os.PathLike | None, log: Callable[[str], None] | None,
+                 base: AppendBase | None = None):
+        self.model, self.tokenizer, self.requests, self.cfg, self.base = model, tokenizer, requests, cfg, base
         self.say = log or (lambda _msg: None)
         self.layer = cfg.layer if cfg.layer is not None else default_layer(model)
         _validate(model, tokenizer, requests, self.layer)
@@ -128,7 +139,8 @@ class _Build:
         self.device = model_device(model)
         self.out = Path(out_dir) if out_dir else None
         self.ckpt = StageCheckpoints(self.out / "checkpoints" if self.out else None,
-                                     run_key(requests, self.fingerprint, self.layer), cfg)
+                                     run_key(requests, self.fingerprint, self.layer,
+                                             base.op.fingerprint() if base else ""), cfg)
         self.report = BuildReport()
         self.slots: list[Slot] = make_slots(requests)
         self.n = len(self.slots)
@@ -170,23 +182,54 @@ class _Build:
         roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, enc_dir,
                                                          self.layer, cfg, self.rng))
         soft = seqs.seq_soft[roll["anchor_seq"]]
-        negatives = _negative_set(roll)
+        negatives = _negative_set(roll, self.base.state.anchors if self.base else None)
         same_prompt = torch.tensor([[a.prompt == b.prompt for b in self.slots] for a in self.slots])
         # (4) refinement
         V = self.stage("4_refine", lambda: self.refine(V0, roll, negatives, same_prompt, soft))["V"]
         # (5) calibration
         cal = self.stage("5_calibrate", lambda: self.calibrate(V, roll, negatives, same_prompt, soft))
         gated = self.operator(V, cal, torch.zeros(self.n, self.site.d_out))
-        U = self.fit_writes(gated, roll, seqs)
-        op = self.operator(V, cal, U)
-        self.report.stages["gates"] = _gate_stats(op, roll["anchors"], roll["anchor_owner"],
+        state = BuildState(roll["anchors"], roll["anchor_owner"], cal["worst_positive"], cal["worst_negative"],
+                           cfg.to_dict())
+        if self.base is None:
+            U = self.fit_writes(gated, roll, seqs)
+            op = self.operator(V, cal, U)
+        else:
+            # the old slots that would open on the new states are recalibrated, then the new writes are
+            # fitted with the old edits in place (their writes fixed)
+            old, old_state = self.recalibrated_base(roll)
+            with _patched(model, old):
+                U = self.fit_writes(gated, roll, seqs)
+            op = AloeOperator.merge([old, self.operator(V, cal, U)])
+            state = BuildState.merge([old_state, state])
+        self.report.stages["gates"] = _gate_stats(self.operator(V, cal, U), roll["anchors"], roll["anchor_owner"],
                                                   [roll["pool"], roll["specific"]])
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
+            state.save(self.out, op)
             (self.out / "build_report.json").write_text(json.dumps(
                 {"config": cfg.to_dict(), "slots": self.n, "edits": len(self.requests), "stages": self.report.stages},
                 indent=1, default=str))
         return op
+
+    def recalibrated_base(self, roll: dict[str, torch.Tensor]) -> tuple[AloeOperator, BuildState]:
+        """The base operator with the slots that would open on the new anchors or negatives recalibrated."""
+        old, st = self.base.op, self.base.state
+
+        def run() -> tuple[dict[str, torch.Tensor], dict]:
+            dev = self.device
+            tau, alpha, s_neg, changed = addr.recalibrate(
+                old.addresses.float().to(dev), old.thresholds.float().to(dev), old.temperatures.float().to(dev),
+                st.worst_positive.to(dev), st.worst_negative.to(dev),
+                [roll[k] for k in ("anchors", "specific", "continuations")], old.gate_eps, self.cfg)
+            return ({"tau": tau.cpu(), "alpha": alpha.cpu(), "worst_negative": s_neg.cpu()},
+                    {"old_slots": old.n, "recalibrated": int(changed.numel())})
+
+        t = self.stage("5_recalibrate_base", run)
+        self.say(f"{self.report.stages['5_recalibrate_base'].get('recalibrated')} of {old.n} old slots recalibrated")
+        op = AloeOperator(addresses=old.addresses, thresholds=t["tau"].to(old.dtype),
+                          temperatures=t["alpha"].to(old.dtype), writes=old.writes, edits=old.edits, **old._header())
+        return op, BuildState(st.anchors, st.anchor_owner, st.worst_positive, t["worst_negative"], st.config)
 
     def initial_addresses(self, enc: AddressEncoder) -> torch.Tensor:
         h_req = last_token_states(self.model, self.tokenizer, [s.prompt for s in self.slots], self.layer,
@@ -211,7 +254,8 @@ class _Build:
         cal = addr.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft)
         info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum())}
         return {"tau": cal.thresholds.cpu(), "alpha": cal.temperatures.cpu(),
-                "separable": cal.separable.to(torch.uint8).cpu()}, info
+                "separable": cal.separable.to(torch.uint8).cpu(), "worst_positive": cal.worst_positive.cpu(),
+                "worst_negative": cal.worst_negative.cpu()}, info
 
     def operator(self, V: torch.Tensor, cal: dict[str, torch.Tensor], writes: torch.Tensor) -> AloeOperator:
         edits = [{"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject}
@@ -262,16 +306,28 @@ class _Build:
         return self.stage("8_finetune", finetune)["U"]
 
 
-def _negative_set(roll: dict[str, torch.Tensor]) -> addr.NegativeSet:
+def _negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None) -> addr.NegativeSet:
     """Anchors and request continuations are negatives of every slot but their own (and those of
-    the same prompt, see NegativeSet.top); the corpus pool of every slot."""
+    the same prompt, see NegativeSet.top); the corpus pool, and the anchors of the operator an
+    append builds on, of every slot."""
+    everyone = roll["pool"] if base_anchors is None else torch.cat([roll["pool"], base_anchors])
     return addr.NegativeSet(
-        shared=torch.cat([roll["pool"], roll["anchors"], roll["continuations"]]),
-        shared_owner=torch.cat([torch.full((roll["pool"].shape[0],), -1, dtype=torch.long), roll["anchor_owner"],
+        shared=torch.cat([everyone, roll["anchors"], roll["continuations"]]),
+        shared_owner=torch.cat([torch.full((everyone.shape[0],), -1, dtype=torch.long), roll["anchor_owner"],
                                 roll["continuation_owner"]]),
         specific=roll["specific"],
         specific_owner=roll["specific_owner"],
     )
+
+
+@contextlib.contextmanager
+def _patched(model, op: AloeOperator) -> Iterator[None]:
+    """Within the context ``model`` carries ``op`` (an append fits its writes beside the old edits)."""
+    apply_aloe(model, op)
+    try:
+        yield
+    finally:
+        remove_aloe(model)
 
 
 def _open_paraphrases(op: AloeOperator, anchors: torch.Tensor, anchor_seq: torch.Tensor, seq_owner: torch.Tensor,

@@ -101,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     from aloe_vllm.export import add_cli as add_vllm_cli
 
     from .demo import add_demo_cli
+    from .edits import add_edit_cli
     from .eval import add_eval_cli
 
+    add_edit_cli(sub)
     add_demo_cli(sub)
     add_eval_cli(sub)
     add_vllm_cli(sub)
@@ -125,10 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:  # a clear one-line message rather than a traceback for expected errors
         from aloe_build import BuildError, EditDataError
+        from aloe_build.build_state import BuildStateError
         from aloe_build.models import ModelLoadError
         from aloe_kernels.errors import AloeError
 
-        if isinstance(exc, (AloeError, FileNotFoundError, EditDataError, BuildError, ModelLoadError)):
+        if isinstance(exc, (AloeError, FileNotFoundError, EditDataError, BuildError, ModelLoadError,
+                            BuildStateError)):
             print(f"aloe {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise

@@ -40,13 +40,18 @@ class DownProjSite:
     num_layers: int
 
     @property
+    def base(self) -> nn.Module:
+        """The down-projection itself, under an ALOE wrapper if the model is patched."""
+        return self.module.base if isinstance(self.module, AloeDownProj) else self.module
+
+    @property
     def is_conv1d(self) -> bool:
         """GPT-2's Conv1D stores its weight as (d, d_out), the transpose of nn.Linear."""
-        return type(self.module).__name__ == "Conv1D"
+        return type(self.base).__name__ == "Conv1D"
 
     def weight(self) -> torch.Tensor:
         """The weight as (d_out, d), whatever the module's own layout."""
-        w = self.module.weight
+        w = self.base.weight
         return w.T if self.is_conv1d else w
 
     @property

@@ -150,3 +150,35 @@ def test_fingerprint_is_dtype_robust():
     w = locate_down_proj(model, LAYER).weight()
     assert weight_fingerprint(w) == weight_fingerprint(w.to(torch.bfloat16).float())
     assert weight_fingerprint(w) != weight_fingerprint(w * 1.01)
+
+
+def test_operator_dtype_as_served_or_as_asked():
+    """On CPU the operator is patched in float32 unless a dtype is asked for; a bfloat16 patch adds the
+    residual of the bfloat16-rounded tensors (what a GPU serving the model in bfloat16 computes)."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    batch = _inputs()
+    h, wh = _capture_down_proj_input(model, batch)
+    site = locate_down_proj(model, LAYER)
+    op = operator_opening_on(h.reshape(-1, site.d)[:3].float(), n_extra=4, d_out=site.d_out)
+    op = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")},
+                      layer=LAYER)
+    wrapper = apply_aloe(model, op)
+    assert all(getattr(wrapper, k).dtype == torch.float32 for k in ("addresses", "thresholds", "temperatures", "writes"))
+    remove_aloe(model)
+    wrapper = apply_aloe(model, op, dtype=torch.bfloat16)
+    rounded = {k: getattr(op, k).to(torch.bfloat16) for k in ("addresses", "thresholds", "temperatures", "writes")}
+    assert all(torch.equal(getattr(wrapper, k), v) for k, v in rounded.items())
+    out = {}
+    handle = wrapper.register_forward_hook(lambda m, a, o: out.update(y=o.detach().clone()))
+    with torch.no_grad():
+        model(**batch)
+    handle.remove()
+    hd = h.double()
+    hbar = hd / hd.norm(dim=-1, keepdim=True).clamp_min(op.eps)
+    r = {k: v.double() for k, v in rounded.items()}
+    g = torch.clamp_min(torch.sigmoid(r["temperatures"] * (hbar @ r["addresses"].T - r["thresholds"])) - op.gate_eps,
+                        0) / (1 - op.gate_eps)
+    assert (g.reshape(-1, op.n)[:3, :3].diagonal() > 0.5).all()
+    expected = wh.double() + g @ r["writes"]
+    # one bfloat16 rounding of the output, relative to its scale
+    torch.testing.assert_close(out["y"].double(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
