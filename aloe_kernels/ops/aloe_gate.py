@@ -11,16 +11,21 @@ with a fake implementation, so torch.compile treats it as opaque. There is no
 Strides: h may have any row and column strides (no copy; leading dimensions
 are flattened with ``reshape``, which copies only when they cannot be merged).
 ``y`` must be viewable as (T, d_out) (any strides inside that view).
-addresses, writes and the scores buffer may have any strides.
+addresses, writes, thresholds, temperatures and the scores buffer may have any
+strides. Launches run under the tensors' CUDA device (``torch.cuda.device``).
 
 Inference only: no autograd formula is registered, so gradients do not flow
 through the added term (train or build with ``aloe_kernels.aloe_reference``).
 Rows of extreme magnitude are safe: the fused norm keeps a running scale
-(rows of 1e30 normalise correctly). Phase A returns a plain sum of squares, so
-there a row must stay below ~1e19 in magnitude.
+(rows of 1e30 normalise correctly), in the split-K path too (each d slice
+stores its scale). The tensor-parallel phase A returns a plain sum of
+squares (additive across ranks), so there a row must stay below ~1e19 in
+magnitude.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -28,7 +33,18 @@ import triton
 from ..runtime import triton_interpreting
 from .checks import PARAM_DTYPES, check_devices, check_eps, check_params, check_tensor, check_y
 from .gate_kernels import jit_kernels
-from .launch_plan import MODE_PARTIAL, block_meta, launch_params, plan_launch, resolve_blocks, sm_count, t_bucket
+from .launch_plan import (
+    MODE_PARTIAL,
+    block_meta,
+    launch_params,
+    n_bucket,
+    plan_launch,
+    reduce_blocks,
+    resolve_blocks,
+    scores_grid,
+    sm_count,
+    t_bucket,
+)
 
 __all__ = ["aloe_gate_residual_"]
 
@@ -41,62 +57,108 @@ __all__ = ["aloe_gate_residual_"]
 def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | None,
               thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
               eps: float, gate_eps: float, deterministic: bool, *, from_scores: bool,
-              col_offset: int, norm_col: int, d: int, split: int, blocks_given: tuple) -> None:
-    """Shared launcher for the fused kernel (from h) and phase B (from scores)."""
+              col_offset: int, norm_col: int, d: int, split: int, blocks_given: tuple, k_split: int = 0) -> None:
+    """Shared launcher for the fused kernel (from h) and phase B (from scores).
+
+    From h with a d split in the plan (split-K), phase A scores the d slices
+    into a small fp32 buffer first and the gate kernel then reads that buffer.
+    """
     T, d_out = y2.shape
     n = writes.shape[0]
     if T == 0 or n == 0:
         return
     interpret = triton_interpreting()
     k = jit_kernels(interpret)
-    plan = plan_launch(T, n, d_out, y2.dtype, deterministic, sm_count(y2.device), split)
+    plan = plan_launch(T, n, d_out, y2.dtype, deterministic, sm_count(y2.device), split,
+                       0 if from_scores else d, k_split)
     explicit = any(b > 0 for b in blocks_given)
     blocks = resolve_blocks(T, interpret, *blocks_given)
+    tuned = not (interpret or deterministic or explicit)
+    src_strides = (0, src.stride(0), src.stride(1))
     a = addresses if addresses is not None else src
     cast_scores = interpret or (not from_scores and src.dtype != a.dtype)
-    cast_writes = interpret or writes.dtype == torch.float32
-    dot_prec = "ieee"
-    if plan.mode == MODE_PARTIAL:
-        out = torch.empty((plan.split, T, d_out), device=y2.device, dtype=torch.float32)
-        flags = torch.empty((plan.split, T), device=y2.device, dtype=torch.int32)
-        so, st, soo, sf = out.stride(0), out.stride(1), out.stride(2), flags.stride(0)
-    else:
-        out, flags = y2, y2  # flags unused
-        so, st, soo, sf = 0, y2.stride(0), y2.stride(1), 0
-    args = (
-        src, a, thresholds, temperatures, writes, out, flags,
-        T, n, d, d_out, plan.edits_per_split, col_offset, norm_col,
-        src.stride(0), src.stride(1), a.stride(0), a.stride(1) if a.dim() > 1 else 1,
-        writes.stride(0), writes.stride(1),
-        so, st, soo, sf,
-        float(eps), float(gate_eps), 1.0 / (1.0 - float(gate_eps)), t_bucket(T),
-    )
-    consts = {"MODE": plan.mode, "FROM_SCORES": from_scores, "CAST_SCORES": cast_scores,
-              "CAST_WRITES": cast_writes, "DOT_PREC": dot_prec}
-    use_tuned = (not interpret) and (not deterministic) and (not explicit)
-    if use_tuned:
-        grid = lambda META: (triton.cdiv(T, META["BLOCK_T"]), plan.split)  # noqa: E731
-        k["gate_tuned"][grid](*args, **consts)
-    else:
-        grid = (triton.cdiv(T, blocks["block_t"]), plan.split)
-        k["gate"][grid](*args, **consts, **block_meta(blocks), **launch_params(blocks, T, interpret))
-    if plan.mode == MODE_PARTIAL:
-        _run_reduce(k["reduce"], out, flags, y2, plan.split, blocks, interpret or explicit, interpret)
+    with device_guard(y2):
+        if plan.k_split > 1:
+            src = launch_scores(k, src, a, plan.k_split, plan.d_per_split, True, blocks, tuned, interpret)
+            src_strides = src.stride()
+            a, from_scores, col_offset, norm_col = src, True, 0, n
+        out, flags = _gate_target(y2, plan)
+        args = (
+            src, a, thresholds, temperatures, writes, out, flags,
+            T, n, d, d_out, plan.edits_per_split, col_offset, norm_col, plan.k_split,
+            *src_strides, a.stride(0), a.stride(1) if a.dim() > 1 else 1,
+            thresholds.stride(0), temperatures.stride(0), writes.stride(0), writes.stride(1),
+            out.stride(0) if plan.mode == MODE_PARTIAL else 0, out.stride(-2), out.stride(-1),
+            flags.stride(0) if plan.mode == MODE_PARTIAL else 0,
+            float(eps), float(gate_eps), 1.0 / (1.0 - float(gate_eps)), t_bucket(T), n_bucket(n),
+        )
+        consts = {"MODE": plan.mode, "FROM_SCORES": from_scores, "SCALED_NORM": plan.k_split > 1,
+                  "CAST_SCORES": cast_scores, "CAST_WRITES": interpret or writes.dtype == torch.float32,
+                  "DOT_PREC": "ieee"}
+        if tuned:
+            grid = lambda META: (triton.cdiv(T, META["BLOCK_T"]), plan.split)  # noqa: E731
+            k["gate_tuned_ws" if plan.mode == MODE_PARTIAL else "gate_tuned"][grid](*args, **consts)
+        else:
+            grid = (triton.cdiv(T, blocks["block_t"]), plan.split)
+            k["gate"][grid](*args, **consts, **block_meta(blocks), **launch_params(blocks, T, interpret))
+        if plan.mode == MODE_PARTIAL:
+            _run_reduce(k["reduce"], out, flags, y2, plan.split, blocks["block_o"] if explicit else 0, interpret)
 
 
-def _run_reduce(kernel, ws: torch.Tensor, flags: torch.Tensor, y2: torch.Tensor, n_split: int, blocks: dict,
-                given_blocks: bool, interpret: bool) -> None:
+def _gate_target(y2: torch.Tensor, plan) -> tuple:
+    """(out, flags) of the gate kernel: y itself, or the fp32 split workspace and its row flags."""
+    if plan.mode != MODE_PARTIAL:
+        return y2, y2  # flags unused
+    T, d_out = y2.shape
+    return _workspace((plan.split, T, d_out), y2.device, torch.float32), _workspace((plan.split, T), y2.device, torch.int32)
+
+
+def launch_scores(k: dict, h2: torch.Tensor, addresses: torch.Tensor, k_split: int, d_per_split: int,
+                  scaled: bool, blocks: dict, tuned: bool, interpret: bool) -> torch.Tensor:
+    """Phase A (``_scores_kernel``): raw scores and norms of each d slice, fp32.
+
+    Returns (T, n + 1) for the tensor-parallel format (one slice, plain sum of
+    squares) or, with ``scaled``, (k_split, T, n + 2) for the split-K path.
+    """
+    T = h2.shape[0]
+    n, d = addresses.shape
+    out = _workspace((k_split, T, n + 2) if scaled else (T, n + 1), h2.device, torch.float32)
+    args = (h2, addresses, out, T, n, d, d_per_split, h2.stride(0), h2.stride(1), addresses.stride(0),
+            addresses.stride(1), out.stride(0) if scaled else 0, out.stride(-2), out.stride(-1),
+            t_bucket(T), n_bucket(n))
+    consts = {"SCALED_NORM": scaled, "CAST_SCORES": interpret or h2.dtype != addresses.dtype, "DOT_PREC": "ieee"}
+    if tuned:
+        grid = lambda META: scores_grid(T, n, k_split, META["BLOCK_T"], META["BLOCK_N"])  # noqa: E731
+        k["scores_tuned"][grid](*args, **consts)
+    else:
+        grid = scores_grid(T, n, k_split, blocks["block_t"], blocks["block_n"])
+        k["scores"][grid](*args, **consts, BLOCK_T=blocks["block_t"], BLOCK_N=blocks["block_n"],
+                          BLOCK_D=blocks["block_d"], **launch_params(blocks, T, interpret))
+    return out
+
+
+def _run_reduce(kernel, ws: torch.Tensor, flags: torch.Tensor, y2: torch.Tensor, n_split: int, block_o: int,
+                interpret: bool) -> None:
     """Second launch of the PARTIAL mode: sum the split partials in fixed order into ``y``."""
     T, d_out = y2.shape
-    rb_t = min(blocks["block_t"], 64) if given_blocks else (16 if T <= 16 else 64)
-    rb_o = blocks["block_o"] if given_blocks else 128
-    rgrid = (triton.cdiv(T, rb_t), triton.cdiv(d_out, rb_o))
+    rb = reduce_blocks(T, n_split, d_out, block_o)
+    rgrid = (triton.cdiv(T, rb["BLOCK_T"]), triton.cdiv(d_out, rb["BLOCK_O"]))
     extra = {} if interpret else {"num_warps": 4}
     kernel[rgrid](
         ws, flags, y2, T, d_out, n_split,
         ws.stride(0), ws.stride(1), flags.stride(0), y2.stride(0), y2.stride(1),
-        BLOCK_T=rb_t, BLOCK_O=rb_o, **extra,
+        **rb, **extra,
     )
+
+
+def _workspace(shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised kernel workspace (every element read is written first; tests poison it here)."""
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def device_guard(t: torch.Tensor):
+    """Make ``t``'s CUDA device current for a launch (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _flat_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -125,7 +187,7 @@ def _gate_residual_op(
     y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
     temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float,
     deterministic: bool = False, split: int = 0, block_t: int = 0, block_n: int = 0,
-    block_d: int = 0, block_o: int = 0,
+    block_d: int = 0, block_o: int = 0, k_split: int = 0,
 ) -> None:
     d = addresses.shape[1]
     d_out = writes.shape[1]
@@ -133,12 +195,13 @@ def _gate_residual_op(
     h2 = _flat_rows(h, d)
     _run_gate(y2, h2, addresses, thresholds, temperatures, writes, eps, gate_eps, deterministic,
               from_scores=False, col_offset=0, norm_col=0, d=d, split=split,
-              blocks_given=(block_t, block_n, block_d, block_o))
+              blocks_given=(block_t, block_n, block_d, block_o), k_split=k_split)
 
 
 @_gate_residual_op.register_fake
 def _gate_residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_eps,
-                        deterministic=False, split=0, block_t=0, block_n=0, block_d=0, block_o=0) -> None:
+                        deterministic=False, split=0, block_t=0, block_n=0, block_d=0, block_o=0,
+                        k_split=0) -> None:
     return None
 
 
@@ -151,7 +214,7 @@ def aloe_gate_residual_(
     y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
     temperatures: torch.Tensor, writes: torch.Tensor, eps: float = 1e-6, gate_eps: float = 1e-3,
     deterministic: bool = False, *, split: int = 0, block_t: int = 0, block_n: int = 0,
-    block_d: int = 0, block_o: int = 0,
+    block_d: int = 0, block_o: int = 0, k_split: int = 0,
 ) -> torch.Tensor:
     """Add ``U g(h)`` into ``y`` in place with the fused kernel; returns ``y``.
 
@@ -159,8 +222,9 @@ def aloe_gate_residual_(
     ``addresses`` (n, d); ``thresholds``, ``temperatures`` (n,); ``writes``
     (n, d_out). h, addresses, writes, y: float32/bfloat16/float16.
     ``deterministic=True`` gives identical bits run to run (no atomics, fixed
-    configuration). ``split`` and ``block_*`` override the launch plan (0 = auto;
-    explicit blocks disable autotuning).
+    configuration). ``split`` (edit ranges), ``k_split`` (d slices: phase A
+    scores them, then the gate reads the summed scores) and ``block_*``
+    override the launch plan (0 = auto; explicit blocks disable autotuning).
     """
     check_tensor("y", y)
     check_tensor("h", h)
@@ -182,5 +246,5 @@ def aloe_gate_residual_(
         return y
     torch.ops.aloe.gate_residual_(y, h, addresses, thresholds, temperatures, writes, float(eps), float(gate_eps),
                                   bool(deterministic), int(split), int(block_t), int(block_n), int(block_d),
-                                  int(block_o))
+                                  int(block_o), int(k_split))
     return y

@@ -3,17 +3,27 @@
 Everything here is decided from shapes, dtypes and the SM count only (no
 ``.item()``, no host synchronisation), so a launch is safe under CUDA graphs.
 
+Split-K
+-------
+When the narrowest phase-A grid (16-edit blocks x token tiles) has fewer
+programs than SMs (decode with ~1,000 edits: 82 blocks for 132 SMs), d is
+split into up to 8 slices of multiples of 256 columns, for about ``2 * n_sms``
+programs streaming addresses; the gate then reads the summed slice scores
+(see :mod:`aloe_kernels.ops.gate_kernels`). ``k_split`` overrides it.
+
 Autotuning
 ----------
 On CUDA, non-deterministic calls use ``triton.autotune`` over Hopper-oriented
-configurations keyed on (T bucket, n, d, d_out, mode); configurations much
-taller than the token count are pruned. Tuning runs once per key (restoring
-``y``), so warm up before CUDA-graph capture. Deterministic mode uses a fixed
-configuration chosen from the shapes, so its bits do not depend on timing
-noise across processes. Under the interpreter there is one configuration
-(``INTERPRETER_BLOCKS``) and block sizes can be passed explicitly
-(``block_t``, ``block_n``, ``block_d``, ``block_o``) so tests can use small
-shapes with ragged tiles.
+configurations keyed on (T bucket, n bucket, d, d_out, mode): powers of two,
+so a changed edit count retunes only when it crosses one. Configurations much
+taller than the token count are pruned. Tuning runs once per key, restoring
+``y`` where the kernel adds into it (direct and atomic modes; the partial
+mode's workspace is rewritten and is not restored), so warm up before
+CUDA-graph capture. Deterministic mode uses a fixed configuration chosen from
+the shapes, so its bits do not depend on timing noise across processes. Under
+the interpreter there is one configuration (``INTERPRETER_BLOCKS``) and block
+sizes can be passed explicitly (``block_t``, ``block_n``, ``block_d``,
+``block_o``) so tests can use small shapes with ragged tiles.
 """
 
 from __future__ import annotations
@@ -36,10 +46,13 @@ __all__ = [
     "block_meta",
     "gate_configs",
     "launch_params",
+    "n_bucket",
     "plan_launch",
     "prune_gate_configs",
+    "reduce_blocks",
     "resolve_blocks",
     "scores_configs",
+    "scores_grid",
     "sm_count",
     "t_bucket",
 ]
@@ -58,16 +71,20 @@ INTERPRETER_SMS = 1
 #: Largest second grid dimension CUDA accepts.
 MAX_GRID_Y = 65535
 _EDIT_GRAIN = 16  # edit ranges per split are multiples of this
+_D_GRAIN = 256  # d slices of the split-K path are multiples of this (the widest BLOCK_D)
+_MAX_K_SPLIT = 8  # more d slices only add scores traffic and phase-B work
 
 
 @dataclass(frozen=True)
 class GatePlan:
-    """How a call is launched: mode, number of edit splits, edits per split, launches."""
+    """How a call is launched: mode, edit split, d split (split-K) and number of launches."""
 
     mode: int
     split: int
     edits_per_split: int
     launches: int
+    k_split: int = 1
+    d_per_split: int = 0
 
     @property
     def mode_name(self) -> str:
@@ -91,9 +108,38 @@ def t_bucket(T: int) -> int:
     return min(1 << max(0, (T - 1).bit_length()), 8192)
 
 
+def n_bucket(n: int) -> int:
+    """Edit count rounded up to a power of two (at least 16): the autotuning key, not n itself."""
+    return max(16, 1 << max(0, (n - 1).bit_length()))
+
+
+def scores_grid(T: int, n: int, k_split: int, block_t: int, block_n: int) -> tuple:
+    """Grid of the phase-A scores kernel: (token tiles, edit blocks capped at :data:`MAX_GRID_Y`, d slices).
+
+    The kernel visits edit blocks grid-stride over axis 1, so the cap drops none.
+    """
+    return (triton.cdiv(T, block_t), max(1, min(triton.cdiv(n, block_n), MAX_GRID_Y)), k_split)
+
+
+def reduce_blocks(T: int, n_split: int, d_out: int, block_o: int = 0) -> dict:
+    """Tiles of the partial-sum reduction: up to 32 splits per step, tiles of at most 4,096 values.
+
+    Few tokens (decode) get narrow d_out tiles so that more programs share the
+    work; the token tile fills what the split and d_out tiles leave.
+    """
+    bs = min(32, 1 << max(0, (n_split - 1).bit_length()))
+    bo = block_o if block_o > 0 else (64 if T < 16 else 128)
+    bt = max(1, min(32, 1 << max(0, (T - 1).bit_length()), 4096 // (bs * bo)))
+    return {"BLOCK_S": bs, "BLOCK_T": bt, "BLOCK_O": bo}
+
+
 def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic: bool,
-                n_sms: int, split: int = 0) -> GatePlan:
-    """Pick mode and edit split from shapes, dtypes and the SM count only (graph safe)."""
+                n_sms: int, split: int = 0, d: int = 0, k_split: int = 0) -> GatePlan:
+    """Pick mode, edit split and d split from shapes, dtypes and the SM count only (graph safe).
+
+    ``d`` is the address width (0: no d split, as for phase B of the
+    tensor-parallel split). ``split`` / ``k_split`` > 0 override the choices.
+    """
     if split <= 0:
         token_tiles = -(-T // 64)
         split = max(1, min(-(-n // _EDIT_GRAIN), -(-4 * n_sms // token_tiles)))
@@ -113,8 +159,35 @@ def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic:
     per = -(-n // split)
     per = -(-per // grain) * grain
     split = -(-n // per)
-    launches = 2 if mode == MODE_PARTIAL else 1
-    return GatePlan(mode=mode, split=split, edits_per_split=per, launches=launches)
+    k_split, d_per = _plan_k_split(T, n, d, n_sms, k_split)
+    launches = (2 if mode == MODE_PARTIAL else 1) + (1 if k_split > 1 else 0)
+    return GatePlan(mode=mode, split=split, edits_per_split=per, launches=launches, k_split=k_split,
+                    d_per_split=d_per)
+
+
+def _plan_k_split(T: int, n: int, d: int, n_sms: int, k_split: int) -> tuple:
+    """(number of d slices, width of each) of the split-K path.
+
+    Chosen when the narrowest phase-A grid (``_EDIT_GRAIN``-edit blocks times
+    token tiles) would leave SMs idle: few tokens and few edits (decode with
+    ~1,000 edits). The d split then multiplies the programs streaming
+    addresses, up to about ``2 * n_sms``, never below ``_D_GRAIN`` columns a
+    slice. Slices are multiples of ``_D_GRAIN`` so their tiles stay aligned.
+    """
+    if d <= 0:
+        return 1, 0
+    if k_split <= 0:
+        programs = -(-n // _EDIT_GRAIN) * -(-T // 16)
+        k_split = 1
+        if programs < n_sms:
+            k_split = min(_MAX_K_SPLIT, -(-2 * n_sms // programs), d // _D_GRAIN)
+    k_split = max(1, min(k_split, d))
+    if k_split == 1:
+        return 1, d
+    grain = _D_GRAIN if d >= _D_GRAIN * k_split else 1
+    per = -(-d // k_split)
+    per = -(-per // grain) * grain
+    return -(-d // per), per
 
 
 def _fixed_blocks(T: int, interpret: bool) -> dict:
@@ -192,4 +265,7 @@ def scores_configs() -> list:
     for bt, bn, bd, w in ((16, 16, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (32, 64, 128, 4),
                           (64, 64, 64, 4), (128, 64, 64, 8), (64, 128, 64, 8), (128, 128, 64, 8)):
         cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=3))
+    # narrow-N, wide-D tiles with deeper pipelines: the split-K phase A of decode
+    for bn in (16, 32):
+        cfgs.append(triton.Config({"BLOCK_T": 16, "BLOCK_N": bn, "BLOCK_D": 256}, num_warps=4, num_stages=4))
     return cfgs

@@ -21,13 +21,12 @@ version of the same math is :mod:`aloe_kernels.tensor_parallel`.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..runtime import triton_interpreting
-from .aloe_gate import _flat_rows, _run_gate, _y_rows
+from .aloe_gate import _flat_rows, _run_gate, _y_rows, device_guard, launch_scores
 from .checks import PARAM_DTYPES, check_devices, check_eps, check_params, check_tensor, check_y
 from .gate_kernels import jit_kernels
-from .launch_plan import MAX_GRID_Y, launch_params, resolve_blocks, t_bucket
+from .launch_plan import resolve_blocks
 
 __all__ = ["aloe_gate_apply_", "aloe_gate_partial_scores"]
 
@@ -51,21 +50,11 @@ def _partial_scores_op(h: torch.Tensor, addresses: torch.Tensor, block_t: int = 
         out.copy_(h2.float().pow(2).sum(dim=1, keepdim=True))
         return out.view(*lead, n + 1)
     interpret = triton_interpreting()
-    k = jit_kernels(interpret)
     explicit = block_t > 0 or block_n > 0 or block_d > 0
     blocks = resolve_blocks(T, interpret, block_t, block_n, block_d, 0)
-    args = (h2, addresses, out, T, n, d, h2.stride(0), h2.stride(1), addresses.stride(0), addresses.stride(1),
-            out.stride(0), out.stride(1), t_bucket(T))
-    consts = {"CAST_SCORES": interpret or h.dtype != addresses.dtype, "DOT_PREC": "ieee"}
-    if not interpret and not explicit:
-        grid = lambda META: (triton.cdiv(T, META["BLOCK_T"]), min(triton.cdiv(n, META["BLOCK_N"]), MAX_GRID_Y))  # noqa: E731
-        k["scores_tuned"][grid](*args, **consts)
-    else:
-        if triton.cdiv(n, blocks["block_n"]) > MAX_GRID_Y:
-            raise ValueError("block_n too small for this many edits")
-        grid = (triton.cdiv(T, blocks["block_t"]), triton.cdiv(n, blocks["block_n"]))
-        k["scores"][grid](*args, **consts, BLOCK_T=blocks["block_t"], BLOCK_N=blocks["block_n"],
-                          BLOCK_D=blocks["block_d"], **launch_params(blocks, T, interpret))
+    with device_guard(h2):
+        out = launch_scores(jit_kernels(interpret), h2, addresses, 1, d, False, blocks,
+                            not (interpret or explicit), interpret)
     return out.view(*lead, n + 1)
 
 

@@ -31,8 +31,9 @@ def _cases():
         return {"h_ptr": f"*{src or dt}", "a_ptr": f"*{dt}", "thr_ptr": f"*{dt}", "temp_ptr": f"*{dt}",
                 "w_ptr": f"*{dt}", "out_ptr": f"*{out}", "flag_ptr": "*i32"}
 
-    def gate_consts(mode, from_scores, dt, bt, bn, bd, bo):
-        return {"MODE": mode, "FROM_SCORES": from_scores, "CAST_SCORES": False, "CAST_WRITES": dt == "fp32",
+    def gate_consts(mode, from_scores, dt, bt, bn, bd, bo, scaled=False):
+        return {"MODE": mode, "FROM_SCORES": from_scores, "SCALED_NORM": scaled, "CAST_SCORES": False,
+                "CAST_WRITES": dt == "fp32",
                 "DOT_PREC": "ieee", "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": bo}
 
     return {
@@ -40,11 +41,14 @@ def _cases():
         "prefill_partial_bf16": ("gate", gate_ptrs("bf16"), gate_consts(2, False, "bf16", 128, 128, 64, 128), 8),
         "tp_apply_partial_fp16": ("gate", gate_ptrs("fp16", src="fp32"),
                                   gate_consts(2, True, "fp16", 64, 64, 64, 128), 4),
+        "split_k_apply_partial_bf16": ("gate", gate_ptrs("bf16", src="fp32"),
+                                       gate_consts(2, True, "bf16", 16, 32, 64, 128, scaled=True), 4),
         "direct_fp32": ("gate", gate_ptrs("fp32"), gate_consts(0, False, "fp32", 64, 64, 128, 128), 4),
         "reduce_bf16": ("reduce", {"ws_ptr": "*fp32", "flag_ptr": "*i32", "y_ptr": "*bf16"},
-                        {"BLOCK_T": 64, "BLOCK_O": 128}, 4),
+                        {"BLOCK_S": 32, "BLOCK_T": 1, "BLOCK_O": 128}, 4),
         "scores_bf16": ("scores", {"h_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32"},
-                        {"CAST_SCORES": False, "DOT_PREC": "ieee", "BLOCK_T": 16, "BLOCK_N": 32, "BLOCK_D": 128}, 4),
+                        {"SCALED_NORM": True, "CAST_SCORES": False, "DOT_PREC": "ieee", "BLOCK_T": 16, "BLOCK_N": 32,
+                         "BLOCK_D": 128}, 4),
     }
 
 
