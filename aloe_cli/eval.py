@@ -76,6 +76,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if not args.operator and baselines == []:
         print("aloe eval: error: nothing to evaluate: give --operator and/or --baseline", file=sys.stderr)
         return 2
+    if args.sequential:
+        return _cmd_sequential(args)
     try:
         edits_path = Path(args.edits)
         requests = load_edits(edits_path, args.limit, skip_invalid=args.skip_invalid)
@@ -128,6 +130,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sequential(args: argparse.Namespace) -> int:
+    """``--sequential K``: build the first batch, append the others, score all edits so far after each."""
+    from aloe_eval.sequential import run_sequential
+
+    if args.operator:
+        print("aloe eval: error: --sequential builds its own operators; do not pass --operator", file=sys.stderr)
+        return 2
+    requests = load_edits(Path(args.edits), args.limit, skip_invalid=args.skip_invalid)
+    model, tokenizer = load_model_for(args)
+    out = Path(args.out) if args.out else _default_out(args).with_name(_default_out(args).name + f"_seq{args.sequential}")
+    result = run_sequential(model, tokenizer, requests, args.sequential, out, batch_size=args.batch_size,
+                            progress=not args.quiet)
+    print(f"wrote {out / 'sequential.json'} and {out / 'retention.png'} ({len(result['steps'])} steps)")
+    return 0
+
+
 def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``aloe eval`` on the ``aloe`` command's subparsers; returns the subparser."""
     p = subparsers.add_parser(
@@ -159,6 +177,10 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--sequential", type=int, default=0, metavar="K",
+                   help="lifelong protocol: build the first of K batches, append the others one by one, and score "
+                   "all edits so far after each (operators in OUT/op<k>, curve in OUT/sequential.json, "
+                   "OUT/retention.png; resumable)")
     add_device_args(p)
     p.add_argument("--operator-dtype", default="served", choices=("served",) + DTYPE_CHOICES[1:],
                    help="precision of the patched operator (default served: float32 on CPU, the model's dtype on "
