@@ -32,7 +32,12 @@ class NegativeSet:
     specific_owner: torch.Tensor  # (S,) the one slot each is a negative of
 
     def to(self, device: torch.device) -> "NegativeSet":
-        """The same set on ``device`` (the build's device; states are kept on CPU between stages)."""
+        """The set on ``device`` when its states take at most a quarter of the free memory there; else
+        left where it is (on CPU), and :meth:`top` streams it to the addresses' device in chunks."""
+        if device.type == "cuda":
+            nbytes = sum(t.numel() * t.element_size() for t in (self.shared, self.specific))
+            if nbytes > torch.cuda.mem_get_info(device)[0] // 4:
+                return self
         return NegativeSet(*(t.to(device) for t in (self.shared, self.shared_owner, self.specific,
                                                     self.specific_owner)))
 
@@ -40,29 +45,44 @@ class NegativeSet:
         """max_{h in N_i} v_i^T h for every slot, over the whole set."""
         return self.top(V, same_prompt, 1, chunk)[0][:, 0]
 
-    def top(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k hardest negatives of every slot: (scores (n, k), states (n, k, d))."""
+    def top(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512,
+            stream_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k hardest negatives of every slot: (scores (n, k), states (n, k, d)).
+
+        The set may live on another device than ``V`` (a GPU build keeps large sets on CPU): it is
+        then read in pieces of ``stream_rows`` states (65,536 by default)."""
         n, d = V.shape
         best_s = torch.full((n, k), -math.inf, device=V.device)
         best_h = torch.zeros(n, k, d, device=V.device)
         with torch.no_grad():
             for start in range(0, n, chunk):
                 rows = torch.arange(start, min(n, start + chunk), device=V.device)
-                s = V[rows] @ self.shared.T  # (r, M)
-                own = self.shared_owner[None, :] >= 0
-                # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are not negatives
-                blocked = own & same_prompt[rows][:, self.shared_owner.clamp_min(0)]
-                s = s.masked_fill(blocked, -math.inf)
-                kk = min(k, s.shape[1])
-                if kk:
+                # states held elsewhere (a GPU build whose negatives stay on CPU) come over in pieces
+                step = stream_rows or (self.shared.shape[0] if self.shared.device == V.device else 65536)
+                for lo in range(0, max(1, self.shared.shape[0]), step):
+                    part = self.shared[lo: lo + step].to(V.device)
+                    owner = self.shared_owner[lo: lo + step].to(V.device)
+                    s = V[rows] @ part.T  # (r, M)
+                    # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are
+                    # not negatives
+                    blocked = (owner[None, :] >= 0) & same_prompt[rows][:, owner.clamp_min(0)]
+                    s = s.masked_fill(blocked, -math.inf)
+                    kk = min(k, s.shape[1])
+                    if not kk:
+                        continue
                     vals, idx = s.topk(kk, dim=1)
-                    best_s[rows, :kk] = vals
-                    best_h[rows, :kk] = self.shared[idx]
+                    if lo == 0:
+                        best_s[rows, :kk] = vals
+                        best_h[rows, :kk] = part[idx]
+                    else:  # merge this piece's best with the best so far
+                        vals, pick = torch.cat([best_s[rows], vals], 1).topk(k, dim=1)
+                        cand = torch.cat([best_h[rows], part[idx]], 1)
+                        best_s[rows], best_h[rows] = vals, cand[torch.arange(len(rows), device=V.device)[:, None], pick]
             if self.specific.shape[0]:
                 # in chunks: V[owner] for every specific state would be another copy of them all
                 s_spec = torch.cat([
-                    torch.einsum("sd,sd->s", V[self.specific_owner[j: j + 16384]], self.specific[j: j + 16384])
+                    torch.einsum("sd,sd->s", V[self.specific_owner[j: j + 16384].to(V.device)],
+                                 self.specific[j: j + 16384].to(V.device))
                     for j in range(0, self.specific.shape[0], 16384)])
                 # each slot's own states by one sort, not a scan of all of them per slot
                 order = torch.argsort(self.specific_owner, stable=True)
@@ -71,8 +91,8 @@ class NegativeSet:
                     sel = order[(ends[i - 1] if i else 0): ends[i]]
                     if sel.numel() == 0:
                         continue
-                    cand_s = torch.cat([best_s[i], s_spec[sel]])
-                    cand_h = torch.cat([best_h[i], self.specific[sel]])
+                    cand_s = torch.cat([best_s[i], s_spec[sel.to(V.device)]])
+                    cand_h = torch.cat([best_h[i], self.specific[sel].to(V.device)])
                     vals, idx = cand_s.topk(k)
                     best_s[i], best_h[i] = vals, cand_h[idx]
         return best_s, best_h

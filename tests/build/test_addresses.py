@@ -46,7 +46,12 @@ def test_negative_top_matches_brute_force():
     specific_owner = torch.tensor([0, 2, 4, 1] * 5 + [2, 0, 4])[torch.randperm(23, generator=g)]  # slot 3 has none
     same = torch.eye(n, dtype=torch.bool)
     same[0, 1] = same[1, 0] = True
-    got_s, got_h = addr.NegativeSet(shared, shared_owner, specific, specific_owner).top(V, same, k, chunk=2)
+    negatives = addr.NegativeSet(shared, shared_owner, specific, specific_owner)
+    got_s, got_h = negatives.top(V, same, k, chunk=2)
+    # read in pieces of 7 states (as from another device): the same hardest negatives
+    streamed_s, streamed_h = negatives.top(V, same, k, chunk=2, stream_rows=7)
+    torch.testing.assert_close(streamed_s, got_s)
+    torch.testing.assert_close(streamed_h, got_h)
     for i in range(n):
         ok = (shared_owner < 0) | ~same[i, shared_owner.clamp_min(0)]
         cand = torch.cat([shared[ok], specific[specific_owner == i]])
