@@ -11,12 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +23,19 @@ pytest.importorskip("vllm")
 
 from helpers import random_operator  # noqa: E402
 from tiny_models import tiny_tokenizer  # noqa: E402
-from vllm_helpers import greedy_hf, make_edit_operator, run_vllm_generate, save_tiny_model, vllm_env  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    SERVER_ARGS,
+    free_port,
+    greedy_hf,
+    http_json,
+    make_edit_operator,
+    run_vllm_generate,
+    save_tiny_model,
+    start_server,
+    stop_server,
+    vllm_env,
+    wait_ready,
+)
 
 from aloe_kernels import AloeOperator, aloe_reference, apply_aloe, remove_aloe  # noqa: E402
 from aloe_kernels.errors import ArtifactError  # noqa: E402
@@ -310,6 +318,17 @@ def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
                       "--dry-run", "--", "--enforce-eager")
     assert proc.returncode == 0, proc.stderr
     assert "vllm.entrypoints.openai.api_server" in proc.stdout and "--enforce-eager" in proc.stdout
+    assert "--middleware" not in proc.stdout  # no admin key: no live-edit endpoints
+    # Live edits: slots reserved in the export, vLLM's extension points on, the key kept off argv.
+    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(llama["op"]), "--out", str(tmp_path / "live"),
+                      "--max-edits", "8", "--admin-key", "s3cret", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "aloe_vllm.admin.AloeAdminMiddleware" in proc.stdout and "AloeWorkerExtension" in proc.stdout
+    assert "s3cret" not in proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "live" / "config.json").read_text())["aloe"]["capacity"] == 8
+    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(llama["op"]), "--out", str(tmp_path / "few"),
+                      "--max-edits", "2", "--dry-run")
+    assert proc.returncode == 2 and "below the operator's 3 edits" in proc.stderr
 
 
 # --------------------------------------------------------------------------- SmolLM2
@@ -379,58 +398,24 @@ def test_smollm2_parity_with_transformers(smol, vllm_cache):
 # --------------------------------------------------------------------------- OpenAI-compatible server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 300) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    status, out = http_json("POST", url, body, timeout=timeout)
+    assert status == 200, out
+    return out
 
 
 def _start_server(model_dir: Path, port: int, log: Path, extra=()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-           "--enforce-eager", *extra]
-    env = vllm_env(1)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in a child
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+           "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *extra]
+    return start_server(cmd, log)
 
 
 def test_openai_server_edited_fact_and_concurrency(smol, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     proc = _start_server(smol["serve"], port, log)
     try:
-        _wait_ready(proc, port, log)
+        wait_ready(proc, port, log)
         url = f"http://127.0.0.1:{port}/v1/completions"
         model = str(smol["serve"])
 
@@ -450,8 +435,10 @@ def test_openai_server_edited_fact_and_concurrency(smol, tmp_path):
             concurrent = list(pool.map(complete, prompts))
         assert concurrent == sequential
         assert sequential == smol["hf"][:32]
+        # Served without the admin middleware: the live-edit endpoint does not exist.
+        assert http_json("GET", f"http://127.0.0.1:{port}/v1/aloe/operator", key="any")[0] == 404
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def test_openai_server_refuses_mismatched_operator(smol, tmp_path):
@@ -465,13 +452,13 @@ def test_openai_server_refuses_mismatched_operator(smol, tmp_path):
     config = json.loads((Path(smol["serve"]) / "config.json").read_text())
     config["aloe"]["weight_fingerprint"] = "sha256-bf16:" + "0" * 32
     (serve / "config.json").write_text(json.dumps(config))
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     proc = _start_server(serve, port, log)
     try:
         rc = proc.wait(timeout=600)
     finally:
-        _stop(proc)
+        stop_server(proc)
     out = log.read_text()
     assert rc != 0
     assert "weight fingerprint" in out and "wrong base model or layer" in out

@@ -8,6 +8,8 @@
   make given target tokens come out (addresses = normalised captured states,
   writes fitted by a few gradient steps on the patched transformers model).
 - :func:`greedy_hf`: greedy continuations of a transformers model, the expected tokens.
+- :func:`start_server`, :func:`wait_ready`, :func:`stop_server`, :func:`http_json`:
+  the OpenAI-compatible server in a child process, and JSON requests to it.
 - :func:`vllm_env`, :func:`run_vllm_generate`: greedy generation with ``vllm.LLM``
   in a child process that runs this file as a script (each configuration
   starts from a clean vLLM state).
@@ -27,11 +29,17 @@ from aloe_kernels.hf import apply_aloe, locate_down_proj, remove_aloe
 
 __all__ = [
     "capture_down_proj_inputs",
+    "SERVER_ARGS",
+    "free_port",
     "greedy_hf",
+    "http_json",
     "make_edit_operator",
     "run_vllm_generate",
     "save_tiny_model",
+    "start_server",
+    "stop_server",
     "vllm_env",
+    "wait_ready",
 ]
 
 
@@ -190,6 +198,86 @@ def greedy_hf(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) -> 
             step_in = torch.tensor([[nxt]])
         out.append(toks)
     return out
+
+
+# --------------------------------------------------------------------------- the OpenAI-compatible server
+
+#: Server options of the tests: fp32 (the expected tokens come from fp32 transformers), short context, eager.
+SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--enforce-eager")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(method: str, url: str, body: dict | None = None, key: str | None = None,
+              timeout: float = 300) -> tuple[int, dict]:
+    """``(status, JSON body)`` of one request; 4xx/5xx answers are returned, not raised."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, {"raw": raw.decode(errors="replace")}
+
+
+def start_server(cmd: Sequence[str], log: Path, **env: str):
+    """Start a server command (its output to ``log``), with the CPU vLLM environment plus ``env``."""
+    import subprocess
+
+    full_env = vllm_env(1, **env)
+    full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in a child
+    return subprocess.Popen(list(cmd), env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(proc, port: int, log: Path, timeout: float = 600) -> None:
+    """Wait until ``/health`` answers 200; AssertionError with the log's tail if the server exits or times out."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()[-4000:]}")
+
+
+def stop_server(proc) -> None:
+    """Terminate a server started by :func:`start_server` (kill it after 60 s)."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # --------------------------------------------------------------------------- vLLM runs in a child process

