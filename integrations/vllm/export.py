@@ -339,7 +339,7 @@ def serve_command(model_dir: str | os.PathLike, host: str, port: int, extra: Seq
 
 def _cmd_export(args: argparse.Namespace) -> int:
     out = export_vllm(args.model, args.operator, args.out, layer=args.layer, overwrite=args.overwrite,
-                      link=not args.copy)
+                      link=not args.copy, capacity=args.max_edits)
     print(out)
     return 0
 
@@ -379,6 +379,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layer", type=int, default=None, help="edited layer (default: the operator's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export")
     p.add_argument("--copy", action="store_true", help="copy the base files instead of symlinking them")
+    p.add_argument("--max-edits", type=int, default=None,
+                   help="edit slots to reserve for live swaps (default: the operator's n)")
     p.set_defaults(func=_cmd_export)
 
     p = subparsers.add_parser(

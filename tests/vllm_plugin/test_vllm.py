@@ -25,6 +25,7 @@ from helpers import random_operator  # noqa: E402
 from tiny_models import tiny_tokenizer  # noqa: E402
 from vllm_helpers import (  # noqa: E402
     SERVER_ARGS,
+    cpu_path,
     free_port,
     greedy_hf,
     http_json,
@@ -367,16 +368,11 @@ def smol(tmp_path_factory):
     op = AloeOperator.load(root / "op")
     prompts = [e.prompt for e in edits] + [e.rephrases[0] for e in edits] + [e.locality[0].prompt for e in edits]
     apply_aloe(model, op)
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"  # the CPU path: the interpreter is too slow for SmolLM2 generation
     try:
-        hf = greedy_hf(model, tok, prompts, SMOL_TOKENS)
+        with cpu_path():
+            hf = greedy_hf(model, tok, prompts, SMOL_TOKENS)
     finally:
         remove_aloe(model)
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
     serve = export_vllm("smollm2", root / "op", root / "serve")
     target_first = [tok(" " + e.target_new, add_special_tokens=False).input_ids[0] for e in edits]
     return dict(root=root, serve=serve, prompts=prompts, hf=hf, tok=tok, target_first=target_first, op=op)

@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 
 from vllm_helpers import (  # noqa: E402
     SERVER_ARGS,
+    cpu_path,
     free_port,
     greedy_hf,
     http_json,
@@ -48,8 +49,8 @@ CAPACITY = 64
 
 
 def _operators(model, tok, layer: int) -> dict[str, AloeOperator]:
-    full = make_edit_operator(model, tok, [p for p, _ in FACTS], [t for _, t in FACTS], layer=layer)
-    fix = make_edit_operator(model, tok, [FACTS[1][0]], [CORRECTED], layer=layer)
+    full = make_edit_operator(model, tok, [p for p, _ in FACTS], [t for _, t in FACTS], layer=layer, steps=15)
+    fix = make_edit_operator(model, tok, [FACTS[1][0]], [CORRECTED], layer=layer, steps=15)
     fix = dataclasses.replace(fix, edits=[{**fix.edits[0], "id": "edit-1-corrected"}])
     return {"A": full.select([0, 1]), "B": full, "C": full.select([0]), "D": full.select([0]).append(fix)}
 
@@ -63,13 +64,14 @@ def live(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("live")
     model, tok = models.load_model("smollm2")
-    ops = _operators(model, tok, layer=int(model.config.num_hidden_layers) // 2)
-    hf = {"base": greedy_hf(model, tok, PROMPTS, TOKENS)}
-    for name, op in ops.items():
-        op.save(root / name)
-        apply_aloe(model, op)
-        hf[name] = greedy_hf(model, tok, PROMPTS, TOKENS)
-        remove_aloe(model)
+    with cpu_path():
+        ops = _operators(model, tok, layer=int(model.config.num_hidden_layers) // 2)
+        hf = {"base": greedy_hf(model, tok, PROMPTS, TOKENS)}
+        for name, op in ops.items():
+            op.save(root / name)
+            apply_aloe(model, op)
+            hf[name] = greedy_hf(model, tok, PROMPTS, TOKENS)
+            remove_aloe(model)
     first = {t: tok(" " + t, add_special_tokens=False).input_ids[0] for t in [t for _, t in FACTS] + [CORRECTED]}
     port = free_port()
     log = root / "server.log"

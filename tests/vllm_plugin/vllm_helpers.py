@@ -17,10 +17,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -176,6 +177,24 @@ def make_edit_operator(
     return AloeOperator(addresses=addresses, thresholds=thresholds, temperatures=temps,
                         writes=writes.detach().clone(), layer=layer, weight_fingerprint=fp,
                         base_model=name, edits=edits)
+
+
+@contextlib.contextmanager
+def cpu_path() -> Iterator[None]:
+    """Run the patched transformers model on ALOE's PyTorch CPU path (TRITON_INTERPRET=0), restoring after.
+
+    The test session sets TRITON_INTERPRET=1 for the kernel tests; the interpreter is far too
+    slow for SmolLM2 generation or fitting.
+    """
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 @torch.no_grad()
