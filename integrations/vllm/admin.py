@@ -40,6 +40,9 @@ __all__ = ["ADMIN_KEY_ENV", "ROUTE", "AloeAdminMiddleware"]
 ADMIN_KEY_ENV = "ALOE_ADMIN_KEY"
 ROUTE = "/v1/aloe/operator"
 _STAGE_TIMEOUT_S = 300.0
+# Each poll is an RPC the engine answers between two steps: often enough for a swap to land
+# within a few steps of the load, rarely enough not to slow decoding.
+_POLL_S = 0.05
 
 
 def _authorized(headers: Headers, key_hash: bytes) -> bool:
@@ -55,7 +58,7 @@ async def _swap(engine, path: str) -> dict:
     while (digest := staged_hash(await engine.collective_rpc("aloe_staged"))) is None:
         if time.monotonic() > deadline:
             raise SwapRefused(f"{path}: not loaded after {_STAGE_TIMEOUT_S:.0f}s")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(_POLL_S)
     return operator_info(await engine.collective_rpc("aloe_commit", args=(digest,)))
 
 
