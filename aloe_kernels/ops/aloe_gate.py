@@ -72,10 +72,13 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
     plan = plan_launch(T, n, d_out, y2.dtype, deterministic, sm_count(y2.device), split,
                        0 if from_scores else d, k_split)
     explicit = any(b > 0 for b in blocks_given)
-    blocks = resolve_blocks(T, interpret, *blocks_given)
-    tuned = not (interpret or deterministic or explicit)
-    src_strides = (0, src.stride(0), src.stride(1))
     a = addresses if addresses is not None else src
+    # a scores buffer (fp32) is only added up, never multiplied: it does not widen the tiles
+    wide = _wide_tiles(writes) if from_scores else _wide_tiles(writes, src, a)
+    blocks = resolve_blocks(T, interpret, *blocks_given, wide=wide)
+    # fp32 tiles take the fixed fp32 blocks: the autotuning space is sized for 16-bit tiles.
+    tuned = not (interpret or deterministic or explicit or wide)
+    src_strides = (0, src.stride(0), src.stride(1))
     cast_scores = interpret or (not from_scores and src.dtype != a.dtype)
     with device_guard(y2):
         if plan.k_split > 1:
@@ -103,6 +106,11 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
             k["gate"][grid](*args, **consts, **block_meta(blocks), **launch_params(blocks, T, interpret))
         if plan.mode == MODE_PARTIAL:
             _run_reduce(k["reduce"], out, flags, y2, plan.split, blocks["block_o"] if explicit else 0, interpret)
+
+
+def _wide_tiles(*tensors) -> bool:
+    """Whether a tile that goes through ``tl.dot`` is fp32 (twice the registers of a 16-bit one)."""
+    return any(t.element_size() > 2 for t in tensors)
 
 
 def _gate_target(y2: torch.Tensor, plan) -> tuple:

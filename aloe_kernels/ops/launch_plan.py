@@ -16,11 +16,17 @@ Autotuning
 On CUDA, non-deterministic calls use ``triton.autotune`` over Hopper-oriented
 configurations keyed on (T bucket, n bucket, d, d_out, mode): powers of two,
 so a changed edit count retunes only when it crosses one. Configurations much
-taller than the token count are pruned. Tuning runs once per key, restoring
+taller than the token count are pruned, and so are the tiles that spill when
+the gate reads a scores buffer. Tuning runs once per key, restoring
 ``y`` where the kernel adds into it (direct and atomic modes; the partial
 mode's workspace is rewritten and is not restored), so warm up before
 CUDA-graph capture. Deterministic mode uses a fixed configuration chosen from
-the shapes, so its bits do not depend on timing noise across processes. Under
+the shapes, so its bits do not depend on timing noise across processes; so do
+explicit block sizes and fp32 input tiles (the autotuning space is sized for
+16-bit tiles; fp32 ones take narrower fixed blocks). Every configuration of
+the autotuning spaces and every fixed one compiles for sm_90 without register
+spills (``benchmarks/aot_sm90.py``, table in
+``benchmarks/results/gpu/aot_sm90.md``). Under
 the interpreter there is one configuration (``INTERPRETER_BLOCKS``) and block
 sizes can be passed explicitly (``block_t``, ``block_n``, ``block_d``,
 ``block_o``) so tests can use small shapes with ragged tiles.
@@ -73,6 +79,7 @@ MAX_GRID_Y = 65535
 _EDIT_GRAIN = 16  # edit ranges per split are multiples of this
 _D_GRAIN = 256  # d slices of the split-K path are multiples of this (the widest BLOCK_D)
 _MAX_K_SPLIT = 8  # more d slices only add scores traffic and phase-B work
+_SCORES_TILE_MAX = 64 * 64  # largest (BLOCK_T x BLOCK_N) gate tile reading a scores buffer
 
 
 @dataclass(frozen=True)
@@ -190,16 +197,28 @@ def _plan_k_split(T: int, n: int, d: int, n_sms: int, k_split: int) -> tuple:
     return -(-d // per), per
 
 
-def _fixed_blocks(T: int, interpret: bool) -> dict:
+# Fixed (untuned) tiles per token tile height: (BLOCK_T, BLOCK_N, BLOCK_D, BLOCK_O). Chosen so that
+# no gate / scores variant spills registers in the sm_90 compile (benchmarks/results/gpu/aot_sm90.md):
+# BLOCK_T 64 and 128 take 8 warps (``launch_params``), the 128-token tile takes 32 edits a chunk
+# (64 spill in the split-K gate), and fp32 tiles (twice the registers of bf16 ones) are narrower and
+# take 16-token tiles up to T = 1024 (32 x 32 spills in the atomic mode) and 16 edits a chunk above.
+_FIXED_16BIT = {16: (16, 64, 128, 128), 32: (32, 32, 128, 128), 64: (64, 64, 128, 64), 128: (128, 32, 64, 64)}
+_FIXED_FP32 = {16: (16, 32, 64, 64), 32: (16, 32, 64, 64), 64: (16, 32, 64, 64), 128: (128, 16, 32, 32)}
+
+
+def _fixed_blocks(T: int, interpret: bool, wide: bool = False) -> dict:
+    """Fixed block sizes for T tokens; ``wide``: some input tile is fp32 (see ``_FIXED_FP32``)."""
     if interpret:
         return dict(INTERPRETER_BLOCKS)
     bt = 16 if T <= 16 else 32 if T <= 32 else 64 if T <= 1024 else 128
-    return {"block_t": bt, "block_n": 64, "block_d": 128 if bt <= 64 else 64, "block_o": 128}
+    sizes = (_FIXED_FP32 if wide else _FIXED_16BIT)[bt]
+    return dict(zip(("block_t", "block_n", "block_d", "block_o"), sizes))
 
 
-def resolve_blocks(T: int, interpret: bool, block_t: int, block_n: int, block_d: int, block_o: int) -> dict:
+def resolve_blocks(T: int, interpret: bool, block_t: int, block_n: int, block_d: int, block_o: int,
+                   wide: bool = False) -> dict:
     """Block sizes of an untuned launch: the fixed ones for T, overridden by any given (> 0, powers of two)."""
-    base = _fixed_blocks(T, interpret)
+    base = _fixed_blocks(T, interpret, wide)
     given = {"block_t": block_t, "block_n": block_n, "block_d": block_d, "block_o": block_o}
     for k, v in given.items():
         if v and v > 0:
@@ -219,8 +238,8 @@ def launch_params(blocks: dict, T: int, interpret: bool) -> dict:
     """num_warps / num_stages of an untuned launch (the interpreter takes none)."""
     if interpret:
         return {}
-    bt = blocks["block_t"]
-    return {"num_warps": 8 if bt >= 128 else 4, "num_stages": 3}
+    # 64-token tiles spill with 4 warps (255 registers a thread) in the sm_90 compile.
+    return {"num_warps": 8 if blocks["block_t"] >= 64 else 4, "num_stages": 3}
 
 
 # --------------------------------------------------------------------------
@@ -229,31 +248,44 @@ def launch_params(blocks: dict, T: int, interpret: bool) -> dict:
 
 
 def gate_configs() -> list:
-    """Autotuning space of the gate kernel: decode-like and prefill-like tiles."""
+    """Autotuning space of the gate kernel: decode-like and prefill-like tiles.
+
+    Every configuration compiles for sm_90 without register spills in each
+    mode (benchmarks/results/gpu/aot_sm90.md): write tiles are 64 wide
+    (``BLOCK_O``; 32 for 128 x 128 tiles, 128 only for 32 x 32), 64 x 64
+    tiles with BLOCK_D 128 take 8 warps, and the gate reading a scores buffer
+    loses its largest tiles in :func:`prune_gate_configs`.
+    """
     cfgs = []
     # decode-like tiles: short token tiles, streaming addresses with wide d blocks
     for bn in (16, 32, 64):
         for bd in (128, 256):
             for stages in (3, 4):
-                cfgs.append(triton.Config({"BLOCK_T": 16, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": 128},
+                if (bn, bd, stages) == (16, 256, 3):  # spills 16 bytes in the partial mode
+                    continue
+                cfgs.append(triton.Config({"BLOCK_T": 16, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": 64},
                                           num_warps=4, num_stages=stages))
-    for bt in (32, 64):
-        for bn in (32, 64):
-            cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_O": 128},
-                                      num_warps=4, num_stages=3))
+    for bt, bn, bo, w in ((32, 32, 128, 4), (32, 64, 64, 4), (64, 32, 64, 4), (64, 64, 64, 8)):
+        cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_O": bo},
+                                  num_warps=w, num_stages=3))
     # prefill-like tiles
-    for bt, bn, w in ((64, 128, 8), (128, 64, 8), (128, 128, 8), (64, 64, 4)):
-        for bo in (64, 128):
-            cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 64, "BLOCK_O": bo},
-                                      num_warps=w, num_stages=3))
+    for bt, bn, bo, w in ((64, 64, 64, 4), (64, 128, 64, 8), (128, 32, 64, 8), (128, 64, 64, 8), (128, 128, 32, 8)):
+        cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 64, "BLOCK_O": bo},
+                                  num_warps=w, num_stages=3))
     return cfgs
 
 
 def prune_gate_configs(configs: list, named_args: dict, **kwargs) -> list:
-    """Drop configurations whose token tile is much taller than the token count (``early_config_prune``)."""
+    """Drop configurations whose token tile is much taller than the token count (``early_config_prune``).
+
+    Reading scores (``FROM_SCORES``), tiles of more than 4,096 (token, edit)
+    pairs spill registers in the sm_90 compile, so they are dropped as well.
+    """
     bucket = int(named_args["t_bucket"])
     limit = max(16, bucket)
     kept = [c for c in configs if c.kwargs["BLOCK_T"] <= limit]
+    if kwargs.get("FROM_SCORES", False):
+        kept = [c for c in kept if c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_N"] <= _SCORES_TILE_MAX]
     if bucket >= 256:  # many tokens: skip the decode-only tiles
         kept = [c for c in kept if c.kwargs["BLOCK_T"] >= 64] or kept
     return kept or configs
@@ -262,8 +294,9 @@ def prune_gate_configs(configs: list, named_args: dict, **kwargs) -> list:
 def scores_configs() -> list:
     """Autotuning space of the phase-A scores kernel."""
     cfgs = []
+    # (128, 128) tiles take BLOCK_D 32: with 64 they spill in the sm_90 compile.
     for bt, bn, bd, w in ((16, 16, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (32, 64, 128, 4),
-                          (64, 64, 64, 4), (128, 64, 64, 8), (64, 128, 64, 8), (128, 128, 64, 8)):
+                          (64, 64, 64, 4), (128, 64, 64, 8), (64, 128, 64, 8), (128, 128, 32, 8)):
         cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=3))
     # narrow-N, wide-D tiles with deeper pipelines: the split-K phase A of decode
     for bn in (16, 32):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import triton_interpreting
-from .aloe_gate import _flat_rows, _run_gate, _y_rows, device_guard, launch_scores
+from .aloe_gate import _flat_rows, _run_gate, _wide_tiles, _y_rows, device_guard, launch_scores
 from .checks import PARAM_DTYPES, check_devices, check_eps, check_params, check_tensor, check_y
 from .gate_kernels import jit_kernels
 from .launch_plan import resolve_blocks
@@ -51,10 +51,11 @@ def _partial_scores_op(h: torch.Tensor, addresses: torch.Tensor, block_t: int = 
         return out.view(*lead, n + 1)
     interpret = triton_interpreting()
     explicit = block_t > 0 or block_n > 0 or block_d > 0
-    blocks = resolve_blocks(T, interpret, block_t, block_n, block_d, 0)
+    wide = _wide_tiles(h2, addresses)
+    blocks = resolve_blocks(T, interpret, block_t, block_n, block_d, 0, wide=wide)
     with device_guard(h2):
         out = launch_scores(jit_kernels(interpret), h2, addresses, 1, d, False, blocks,
-                            not (interpret or explicit), interpret)
+                            not (interpret or explicit or wide), interpret)
     return out.view(*lead, n + 1)
 
 

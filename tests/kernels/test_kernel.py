@@ -259,6 +259,21 @@ def test_plan_modes_and_launch_counts():
         assert p.edits_per_split * p.split >= n > p.edits_per_split * (p.split - 1)
 
 
+def test_fixed_blocks_and_config_pruning():
+    """The non-spilling sm_90 choices (benchmarks/results/gpu/aot_sm90.md) stay in place."""
+    for T in (1, 32, 64, 2048):
+        b16, b32 = plan._fixed_blocks(T, False), plan._fixed_blocks(T, False, wide=True)
+        assert b32["block_t"] * b32["block_n"] <= b16["block_t"] * b16["block_n"]
+        assert b32["block_d"] <= b16["block_d"] and b32["block_o"] <= b16["block_o"]
+        warps = plan.launch_params(b16, T, False)["num_warps"]
+        assert warps == (8 if b16["block_t"] >= 64 else 4)
+    assert plan.resolve_blocks(64, False, 0, 0, 0, 0, wide=True) == plan._fixed_blocks(64, False, wide=True)
+    cfgs = plan.gate_configs()
+    from_scores = plan.prune_gate_configs(cfgs, {"t_bucket": 128}, FROM_SCORES=True)
+    assert from_scores and all(c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in from_scores)
+    assert len(plan.prune_gate_configs(cfgs, {"t_bucket": 128}, FROM_SCORES=False)) > len(from_scores)
+
+
 # ---------------------------------------------------------- TP split
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tensor_parallel_split_matches_fused(dtype):
