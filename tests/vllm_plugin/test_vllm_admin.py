@@ -21,17 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import (  # noqa: E402
-    SERVER_ARGS,
-    cpu_path,
-    free_port,
-    greedy_hf,
-    http_json,
-    make_edit_operator,
-    start_server,
-    stop_server,
-    wait_ready,
-)
+import vllm_helpers as vh  # noqa: E402
 
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe  # noqa: E402
 
@@ -49,8 +39,8 @@ CAPACITY = 64
 
 
 def _operators(model, tok, layer: int) -> dict[str, AloeOperator]:
-    full = make_edit_operator(model, tok, [p for p, _ in FACTS], [t for _, t in FACTS], layer=layer, steps=15)
-    fix = make_edit_operator(model, tok, [FACTS[1][0]], [CORRECTED], layer=layer, steps=15)
+    full = vh.make_edit_operator(model, tok, [p for p, _ in FACTS], [t for _, t in FACTS], layer=layer, steps=15)
+    fix = vh.make_edit_operator(model, tok, [FACTS[1][0]], [CORRECTED], layer=layer, steps=15)
     fix = dataclasses.replace(fix, edits=[{**fix.edits[0], "id": "edit-1-corrected"}])
     return {"A": full.select([0, 1]), "B": full, "C": full.select([0]), "D": full.select([0]).append(fix)}
 
@@ -64,44 +54,44 @@ def live(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("live")
     model, tok = models.load_model("smollm2")
-    with cpu_path():
+    with vh.cpu_path():
         ops = _operators(model, tok, layer=int(model.config.num_hidden_layers) // 2)
-        hf = {"base": greedy_hf(model, tok, PROMPTS, TOKENS)}
+        hf = {"base": vh.greedy_hf(model, tok, PROMPTS, TOKENS)}
         for name, op in ops.items():
             op.save(root / name)
             apply_aloe(model, op)
-            hf[name] = greedy_hf(model, tok, PROMPTS, TOKENS)
+            hf[name] = vh.greedy_hf(model, tok, PROMPTS, TOKENS)
             remove_aloe(model)
     first = {t: tok(" " + t, add_special_tokens=False).input_ids[0] for t in [t for _, t in FACTS] + [CORRECTED]}
-    port = free_port()
+    port = vh.free_port()
     log = root / "server.log"
     cmd = [sys.executable, "-m", "aloe_cli", "serve", "--model", "smollm2", "--operator", str(root / "A"),
            "--out", str(root / "serve"), "--max-edits", str(CAPACITY), "--admin-key", KEY, "--port", str(port),
-           "--", *SERVER_ARGS]
+           "--", *vh.SERVER_ARGS]
     # The screened path: its prepacked screen matrix is rebuilt by every swap.
-    proc = start_server(cmd, log, ALOE_VLLM_SCREEN="1")
+    proc = vh.start_server(cmd, log, ALOE_VLLM_SCREEN="1")
     try:
-        wait_ready(proc, port, log)
+        vh.wait_ready(proc, port, log)
         yield dict(root=root, url=f"http://127.0.0.1:{port}", model=str(root / "serve"), hf=hf, first=first,
                    hashes={k: AloeOperator.load(root / k).fingerprint() for k in ops})
     finally:
-        stop_server(proc)
+        vh.stop_server(proc)
 
 
 def _complete(live, prompt: str) -> list[int]:
     body = {"model": live["model"], "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
             "return_token_ids": True}
-    status, out = http_json("POST", live["url"] + "/v1/completions", body)
+    status, out = vh.http_json("POST", live["url"] + "/v1/completions", body)
     assert status == 200, out
     return list(out["choices"][0]["token_ids"])
 
 
 def _swap(live, name: str, key: str = KEY) -> tuple[int, dict]:
-    return http_json("POST", live["url"] + "/v1/aloe/operator", {"path": str(live["root"] / name)}, key=key)
+    return vh.http_json("POST", live["url"] + "/v1/aloe/operator", {"path": str(live["root"] / name)}, key=key)
 
 
 def _info(live, key: str = KEY) -> tuple[int, dict]:
-    return http_json("GET", live["url"] + "/v1/aloe/operator", key=key)
+    return vh.http_json("GET", live["url"] + "/v1/aloe/operator", key=key)
 
 
 def test_add_remove_correct_without_restart(live):
@@ -155,12 +145,12 @@ def test_refusals_keep_the_old_operator(live):
     assert _swap(live, "B")[0] == 200
     before = _info(live)[1]
     for reason, path in _corrupt_copies(live).items():
-        status, out = http_json("POST", live["url"] + "/v1/aloe/operator", {"path": str(path)}, key=KEY)
+        status, out = vh.http_json("POST", live["url"] + "/v1/aloe/operator", {"path": str(path)}, key=KEY)
         assert status == 422 and reason in out["error"], (reason, status, out)
     for key in ("wrong-key", None):
         assert _swap(live, "C", key=key)[0] == 401
         assert _info(live, key=key)[0] == 401
-    assert http_json("POST", live["url"] + "/v1/aloe/operator", {"where": "x"}, key=KEY)[0] == 400
+    assert vh.http_json("POST", live["url"] + "/v1/aloe/operator", {"where": "x"}, key=KEY)[0] == 400
     assert _info(live)[1] == before
     assert [_complete(live, p) for p in PROMPTS] == live["hf"]["B"]
 
