@@ -3,7 +3,7 @@
 ``append_edits`` builds slots only for the new requests, against the existing
 operator (:class:`aloe_build.pipeline.AppendBase`): the old slots' anchor
 states are negatives of the new slots; the old slots that would open on the new
-anchors or negatives are recalibrated (stage 5's closed form, from the worst
+anchors or continuation negatives are recalibrated (stage 5's closed form, from the worst
 anchor and worst negative scores kept in the build state); the new writes are
 fitted with the old edits patched into the model, their writes fixed, so a new
 write corrects for an old gate only where the two overlap. Nothing of the old

@@ -213,7 +213,7 @@ class _Build:
         return op
 
     def recalibrated_base(self, roll: dict[str, torch.Tensor]) -> tuple[AloeOperator, BuildState]:
-        """The base operator with the slots that would open on the new anchors or negatives recalibrated."""
+        """The base operator with the slots that would open on the new anchors or continuations recalibrated."""
         old, st = self.base.op, self.base.state
 
         def run() -> tuple[dict[str, torch.Tensor], dict]:
@@ -221,7 +221,9 @@ class _Build:
             tau, alpha, s_neg, changed = addr.recalibrate(
                 old.addresses.float().to(dev), old.thresholds.float().to(dev), old.temperatures.float().to(dev),
                 st.worst_positive.to(dev), st.worst_negative.to(dev),
-                [roll[k] for k in ("anchors", "specific", "continuations")], old.gate_eps, self.cfg)
+                # what a one-shot build makes a negative of every slot: the new anchors and continuations
+                # (a new edit's own negatives are negatives of that edit only, there as here)
+                [roll[k] for k in ("anchors", "continuations")], old.gate_eps, self.cfg)
             return ({"tau": tau.cpu(), "alpha": alpha.cpu(), "worst_negative": s_neg.cpu()},
                     {"old_slots": old.n, "recalibrated": int(changed.numel())})
 
