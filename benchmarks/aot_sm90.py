@@ -52,7 +52,9 @@ GATE_VARIANTS = (
 FIXED_T = (1, 32, 64, 2048)  # one token count per fixed tile height
 
 
-def _signature(fn, ptrs: dict, consts: dict) -> dict:
+def kernel_signature(fn, ptrs: dict, consts: dict) -> dict:
+    """Triton compile signature of a jitted kernel: constexprs, the given pointer types, fp32 scalars in
+    FLOATS, i32 for every other scalar (shared with the sm_90 compile test)."""
     sig = {}
     for arg in fn.arg_names:
         if arg in consts:
@@ -162,7 +164,7 @@ def main() -> None:
         blocks = ", ".join(f"{k[6:]}={v}" for k, v in consts.items() if k.startswith("BLOCK_"))
         consts, attrs = _specialise(fn, consts)
         cx = {(fn.arg_names.index(k),): v for k, v in consts.items()}
-        src = ASTSource(fn=fn, signature=_signature(fn, ptrs, consts), constexprs=cx, attrs=attrs)
+        src = ASTSource(fn=fn, signature=kernel_signature(fn, ptrs, consts), constexprs=cx, attrs=attrs)
         try:
             k = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
             regs, spills = _ptxas_stats(k.asm["ptx"], ptxas)

@@ -61,22 +61,14 @@ def main() -> None:
     from triton.compiler import ASTSource
 
     from aloe_kernels.ops.gate_kernels import jit_kernels
+    from benchmarks.aot_sm90 import kernel_signature
 
     kernels = jit_kernels(False)
     target = GPUTarget("cuda", 90, 32)
     results = {}
     for name, (kname, ptrs, consts, warps) in _cases().items():
         fn = kernels[kname]
-        sig = {}
-        for arg in fn.arg_names:
-            if arg in consts:
-                sig[arg] = "constexpr"
-            elif arg.endswith("_ptr"):
-                sig[arg] = ptrs[arg]
-            elif arg in ("eps", "gate_eps", "inv_one_minus_geps"):
-                sig[arg] = "fp32"
-            else:
-                sig[arg] = "i32"
+        sig = kernel_signature(fn, ptrs, consts)
         cx = {(fn.arg_names.index(k),): v for k, v in consts.items()}
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=target,
