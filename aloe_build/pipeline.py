@@ -192,17 +192,16 @@ class _Build:
         state = BuildState(roll["anchors"], roll["anchor_owner"], cal["worst_positive"], cal["worst_negative"],
                            cfg.to_dict())
         if self.base is None:
-            U = self.fit_writes(gated, roll, seqs)
-            op = self.operator(V, cal, U)
+            new = op = self.operator(V, cal, self.fit_writes(gated, roll, seqs))
         else:
             # the old slots that would open on the new states are recalibrated, then the new writes are
             # fitted with the old edits in place (their writes fixed)
             old, old_state = self.recalibrated_base(roll)
             with _patched(model, old):
-                U = self.fit_writes(gated, roll, seqs)
-            op = AloeOperator.merge([old, self.operator(V, cal, U)])
+                new = self.operator(V, cal, self.fit_writes(gated, roll, seqs))
+            op = AloeOperator.merge([old, new])
             state = BuildState.merge([old_state, state])
-        self.report.stages["gates"] = _gate_stats(self.operator(V, cal, U), roll["anchors"], roll["anchor_owner"],
+        self.report.stages["gates"] = _gate_stats(new, roll["anchors"], roll["anchor_owner"],
                                                   [roll["pool"], roll["specific"]])
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
