@@ -105,6 +105,31 @@ def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tenso
     return out.scatter_reduce(0, owner, s, reduce="amin")
 
 
+def _weakest_anchor(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """min_{h in P_i} v_i^T h for every slot (+inf for a slot without anchors), with the gradient
+    through the one minimising anchor, as ``min`` gives it, but without differentiating a
+    gather of V for every anchor (the minimiser is found without autograd, then one dot per slot)."""
+    n = V.shape[0]
+    with torch.no_grad():
+        s = (V[owner] * anchors).sum(-1)
+        low = torch.full((n,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(0, owner, s, reduce="amin")
+        rows = torch.arange(owner.shape[0], device=owner.device)
+        at = torch.full((n,), owner.shape[0], dtype=torch.long, device=owner.device)
+        at = at.scatter_reduce(0, owner[s == low[owner]], rows[s == low[owner]], reduce="amin")
+        has = at < owner.shape[0]
+    picked = anchors[at.clamp_max(max(owner.shape[0] - 1, 0))] if owner.shape[0] else torch.zeros_like(V)
+    return torch.where(has, (picked * V).sum(-1), math.inf)
+
+
+def _hardest_negative(V: torch.Tensor, hard_h: torch.Tensor) -> torch.Tensor:
+    """max_k v_i^T h_ik over each slot's mined negatives (n, k, d), with the gradient through the
+    maximiser only, as ``max`` gives it: found without autograd, so the backward pass reads one
+    state per slot, not all k."""
+    with torch.no_grad():
+        j = torch.einsum("nkd,nd->nk", hard_h, V).argmax(1)
+    return (hard_h[torch.arange(V.shape[0], device=V.device), j] * V).sum(-1)
+
+
 def refine_addresses(
     V0: torch.Tensor,
     anchors: torch.Tensor,
@@ -138,8 +163,8 @@ def refine_addresses(
         soft_now = soft_phase and step < soft_steps
         if hard_h is None or step % cfg.refine_remine_every == 0 or (soft_phase and step == soft_steps):
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
-        pos = min_anchor_scores(V, hard_a, hard_own)
-        neg = torch.einsum("nkd,nd->nk", hard_h, V).max(1).values
+        pos = _weakest_anchor(V, hard_a, hard_own)
+        neg = _hardest_negative(V, hard_h)
         hinge = F.relu(margin - pos + neg)
         loss = (hinge**2).mean()
         if soft_now:
@@ -152,7 +177,7 @@ def refine_addresses(
         if losses[-1] == 0.0 and step % cfg.refine_remine_every != 0:
             # every slot clears its margin against the mined negatives: re-mine to confirm
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
-            if float(F.relu(margin - pos + torch.einsum("nkd,nd->nk", hard_h, V).max(1).values).detach().max()) == 0.0:
+            if float(F.relu(margin - pos + _hardest_negative(V.detach(), hard_h)).detach().max()) == 0.0:
                 break
         opt.zero_grad()
         loss.backward()
