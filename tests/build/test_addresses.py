@@ -187,3 +187,32 @@ def test_encoder_training_separates_paraphrases():
     assert acc > 0.9
 
 
+
+
+def test_refinement_scores_match_min_and_max_with_their_gradients():
+    """The refinement's weakest-anchor and hardest-negative scores equal a float64 per-slot min and
+    max, values and gradients (a slot without anchors scores +inf and gets no gradient)."""
+    g = torch.Generator().manual_seed(11)
+    n, k, d = 7, 5, 13
+    V = torch.randn(n, d, generator=g)
+    owner = torch.tensor([0, 0, 1, 2, 2, 2, 4, 5, 5, 6, 0])  # slot 3 has no anchor
+    anchors = torch.randn(len(owner), d, generator=g)
+    hard = torch.randn(n, k, d, generator=g)
+    weights = torch.randn(n, generator=g)
+    Vg = V.clone().requires_grad_(True)
+    pos = addr._weakest_anchor(Vg, anchors, owner)
+    neg = addr._hardest_negative(Vg, hard)
+    assert pos[3] == math.inf
+    (torch.where(torch.isfinite(pos), pos, 0.0) * weights + neg * weights).sum().backward()
+    pos, neg = pos.detach(), neg.detach()
+    V64, want_grad = V.double(), torch.zeros(n, d, dtype=torch.float64)
+    for i in range(n):
+        mine = anchors[owner == i].double()
+        if mine.shape[0]:
+            s = mine @ V64[i]
+            assert math.isclose(float(pos[i]), float(s.min()), rel_tol=1e-5, abs_tol=1e-5)
+            want_grad[i] += weights[i].double() * mine[int(s.argmin())]
+        s_neg = hard[i].double() @ V64[i]
+        assert math.isclose(float(neg[i]), float(s_neg.max()), rel_tol=1e-5, abs_tol=1e-5)
+        want_grad[i] += weights[i].double() * hard[i, int(s_neg.argmax())].double()
+    torch.testing.assert_close(Vg.grad.double(), want_grad, rtol=1e-5, atol=1e-5)
