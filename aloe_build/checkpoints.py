@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -92,3 +93,49 @@ class StageCheckpoints:
         save_tensors_atomically({k: v.contiguous() for k, v in tensors.items()}, t_path)
         text = json.dumps({"key": self.key(stage), **meta})
         write_atomically(j_path, lambda tmp: tmp.write_text(text))
+
+    def parts(self, stage: str) -> "PartStore":
+        """Where ``stage`` keeps the pieces of its work as they finish (see :class:`PartStore`)."""
+        return PartStore(self.root / f"{stage}.parts" if self.root is not None else None, self.key(stage))
+
+    def drop_parts(self, stage: str) -> None:
+        """Remove the pieces of a stage whose checkpoint now holds the whole result."""
+        if self.root is not None:
+            shutil.rmtree(self.root / f"{stage}.parts", ignore_errors=True)
+
+
+class PartStore:
+    """Pieces of one stage's work, each saved as it finishes, so that an interrupted stage resumes
+    inside: a piece found here under the stage's current key is read instead of recomputed
+    (``root`` None: nothing is kept). Pieces of another key are removed on opening."""
+
+    def __init__(self, root: Path | None, key: str):
+        self.root, self.key = root, key
+        if root is None:
+            return
+        stamp = root / "key.json"
+        if root.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()).get("key") != key):
+            shutil.rmtree(root)
+        if not root.is_dir():
+            root.mkdir(parents=True)
+            write_atomically(stamp, lambda tmp: tmp.write_text(json.dumps({"key": key})))
+
+    def get(self, name: str) -> dict[str, torch.Tensor] | None:
+        if self.root is None or not (self.root / f"{name}.safetensors").is_file():
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(str(self.root / f"{name}.safetensors"))
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        if self.root is not None:
+            save_tensors_atomically({k: v.contiguous() for k, v in tensors.items()}, self.root / f"{name}.safetensors")
+
+    def cached(self, name: str, compute: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], bool]:
+        """The piece ``name``: read back, or computed and saved; and whether it was read back."""
+        found = self.get(name)
+        if found is not None:
+            return found, True
+        out = compute()
+        self.put(name, out)
+        return out, False

@@ -163,6 +163,7 @@ class _Build:
             raise BuildError(f"{exc}{where}") from exc
         self.report.stage(name, time.perf_counter() - t0, **info)
         self.ckpt.save(name, tensors, report=self.report.stages[name])
+        self.ckpt.drop_parts(name)
         self.say(f"{name}: done in {self.report.stages[name]['seconds']:.1f}s")
         return tensors
 
@@ -180,7 +181,7 @@ class _Build:
         V0 = self.stage("2_init", lambda: ({"V0": self.initial_addresses(enc)}, {}))["V0"]
         # (3) rollouts: anchors H+ and negatives H-
         roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, enc_dir,
-                                                         self.layer, cfg, self.rng))
+                                                         self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
         soft = seqs.seq_soft[roll["anchor_seq"]]
         negatives = _negative_set(roll, self.base.state.anchors if self.base else None)
         same_prompt = torch.tensor([[a.prompt == b.prompt for b in self.slots] for a in self.slots])

@@ -19,7 +19,8 @@ from typing import Sequence
 
 import torch
 
-from .checkpoints import save_tensors_atomically
+from .checkpoints import PartStore, save_tensors_atomically
+from .chunked import chunked_states, chunked_token_lists
 from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
 from .forward import greedy_generate, teacher_forced
@@ -83,19 +84,23 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
     return seqs
 
 
-def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_size: int, desc: str) -> list[list[int]]:
+def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_size: int, desc: str,
+              parts: PartStore | None = None) -> list[list[int]]:
     """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
     cut before an end-of-sequence token (a server stops there and never feeds it back)."""
     if tokens <= 0 or not prompts:
         return [list(p) for p in prompts]
     eos = tokenizer.eos_token_id
-    gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size, progress=True,
-                           desc=desc)
+
+    def generate(lo: int, hi: int) -> list[list[int]]:
+        return greedy_generate(model, prompts[lo:hi], tokens, pad_id=pad_id(tokenizer), batch_size=batch_size)
+
+    gens = chunked_token_lists(parts, "continuations", len(prompts), generate, desc)
     return [list(p) + (g[: g.index(eos)] if eos in g else g) for p, g in zip(prompts, gens)]
 
 
 def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[list[int]], cap: int,
-                     keep_predicted: bool, batch_size: int) -> list[list[int]]:
+                     keep_predicted: bool, batch_size: int, parts: PartStore | None = None) -> list[list[int]]:
     """Positions along each target whose states are the slot's anchors: the last prompt token
     (it predicts the first target token), then each position predicting a further target token
     within ``cap``. Unless ``keep_predicted``, a further position is left out when the unedited
@@ -105,10 +110,16 @@ def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[l
     spans = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cap))) for p, t in zip(prompts, targets)]
     if keep_predicted or not prompts:
         return spans
-    res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts, targets)], pad_id=pad_id(tokenizer),
-                         batch_size=batch_size, progress=True, desc="stage 3: target tokens already predicted")
-    return [[pos for k, pos in enumerate(span) if k == 0 or r.preds[k] != t[k]]
-            for span, t, r in zip(spans, targets, res)]
+
+    def predicted(lo: int, hi: int) -> list[list[int]]:
+        res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts[lo:hi], targets[lo:hi])],
+                             pad_id=pad_id(tokenizer), batch_size=batch_size)
+        return [list(r.preds) for r in res]
+
+    preds = chunked_token_lists(parts, "predicted", len(prompts), predicted,
+                                "stage 3: target tokens already predicted")
+    return [[pos for k, pos in enumerate(span) if k == 0 or pr[k] != t[k]]
+            for span, t, pr in zip(spans, targets, preds)]
 
 
 def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
@@ -179,7 +190,8 @@ def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildCon
 
 
 def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, layer: int,
-                   cfg: BuildConfig, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+                   cfg: BuildConfig, rng: random.Random, parts: PartStore | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """States of the prompts made for each edit and the slot each belongs to."""
     stream = _Stream(slots, corpus, cfg.seed)
     spec_seqs, spec_pos, spec_owner = [], [], []
@@ -194,37 +206,39 @@ def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences
             spec_seqs.append(ids)
             spec_pos.append(list(range(len(ids))))
             spec_owner.append(i)
-    spec = collect_states(model, tokenizer, spec_seqs, layer, spec_pos, cfg.batch_size, "stage 3: edit negatives")
+    spec = chunked_states(parts, "edit_negatives", model, tokenizer, spec_seqs, layer, spec_pos, cfg.batch_size,
+                          "stage 3: edit negatives")
     owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
     return spec.states, owner
 
 
 def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cache_dir: Path,
-             layer: int, cfg: BuildConfig, rng: random.Random) -> tuple[dict[str, torch.Tensor], dict]:
+             layer: int, cfg: BuildConfig, rng: random.Random, parts: PartStore | None = None
+             ) -> tuple[dict[str, torch.Tensor], dict]:
     """Stage 3: anchors H+ (with their slot and sequence) and negatives H-; returns the tensors
-    and the stage's report."""
+    and the stage's report. With ``parts`` every long pass saves its chunks there as they finish."""
     # along the target for requests and rewordings; the prefixed requests only at their last
     # prompt token (the positions along the target are the request's own target text)
     r = seqs.rewordings
     owner_r = seqs.extra_owner[:r]
     positions = anchor_positions(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
                                  seqs.targets + [seqs.targets[i] for i in owner_r],
-                                 cfg.max_target_tokens, cfg.anchor_predicted_targets, cfg.batch_size)
+                                 cfg.max_target_tokens, cfg.anchor_predicted_targets, cfg.batch_size, parts)
     positions += [[len(p) - 1] for p in seqs.extra_prompts[r:]]
     full = [p + t for p, t in zip(seqs.prompts, seqs.targets)]
     full += [p + seqs.targets[i] for p, i in zip(seqs.extra_prompts[:r], owner_r)]
-    anchors = collect_states(model, tokenizer, full + seqs.extra_prompts[r:], layer, positions, cfg.batch_size,
-                             "stage 3: anchor states")
+    anchors = chunked_states(parts, "anchors", model, tokenizer, full + seqs.extra_prompts[r:], layer, positions,
+                             cfg.batch_size, "stage 3: anchor states")
     pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg)
     pool = pool[not_anchors(pool, anchors.states)]
     # what the unedited model writes after each request: negatives of every other slot
     cont_seqs = continued(model, tokenizer, seqs.prompts, cfg.negative_continuation_tokens, cfg.batch_size,
-                          "stage 3: continuations of requests")
-    cont = collect_states(model, tokenizer, cont_seqs, layer,
+                          "stage 3: continuations of requests", parts)
+    cont = chunked_states(parts, "continuation_negatives", model, tokenizer, cont_seqs, layer,
                           [range(len(p), len(c)) for p, c in zip(seqs.prompts, cont_seqs)],
                           cfg.batch_size, "stage 3: continuation negatives")
     keep = not_anchors(cont.states, anchors.states)
-    specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng)
+    specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng, parts)
     info = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
             "edit_negatives": int(specific.shape[0]), "continuation_negatives": int(keep.sum()),
             "paraphrase_positives": len(seqs.extra_prompts), "slots_with_paraphrases": len(set(seqs.extra_owner))}

@@ -1,0 +1,73 @@
+"""Long stage-3 passes in saved chunks: an interrupted stage resumes inside and gets the same result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_pipeline import _edits, _tiny_cfg
+from tiny_models import tiny_model, tiny_tokenizer
+
+import aloe_build.chunked as chunked
+from aloe_build.checkpoints import PartStore
+from aloe_build.pipeline import build_operator
+from aloe_build.states import collect_states
+
+
+def test_part_store_reads_back_and_forgets_another_key(tmp_path):
+    store = PartStore(tmp_path / "p", "k1")
+    calls = []
+    first, read = store.cached("a", lambda: calls.append(1) or {"x": torch.arange(3)})
+    again, read_again = store.cached("a", lambda: calls.append(1) or {"x": torch.zeros(3)})
+    assert not read and read_again and calls == [1]
+    assert torch.equal(again["x"], torch.arange(3))
+    assert PartStore(tmp_path / "p", "k2").get("a") is None  # another key: the old pieces are gone
+    assert PartStore(None, "k").get("a") is None
+
+
+def test_chunked_states_equal_one_pass(tmp_path, monkeypatch):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (11,), generator=g)]
+    positions = [list(range(0, len(s), 2)) for s in seqs]
+    positions[3] = []  # a sequence with no position kept
+    monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 4)
+    got = chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, positions, 3, "test")
+    want = collect_states(model, tok, seqs, 1, positions, 3)
+    assert torch.equal(got.offsets, want.offsets)
+    torch.testing.assert_close(got.states, want.states, rtol=1e-5, atol=1e-6)
+    assert sorted(p.name for p in tmp_path.glob("x-*.safetensors")) == ["x-0.safetensors", "x-1.safetensors",
+                                                                         "x-2.safetensors"]
+
+
+def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):
+    tok = tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path)
+    monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 2)
+    calls, stop_at = [], []
+    real = chunked.collect_states
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[2]))
+        if len(calls) == (stop_at[0] if stop_at else -1):
+            raise KeyboardInterrupt  # this chunk of stage 3 never finishes
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "collect_states", counted)
+    whole = build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "whole", log=None)
+    uninterrupted = len(calls)
+    assert uninterrupted > 6
+    calls.clear()
+    stop_at.append(6)
+    with pytest.raises(KeyboardInterrupt):
+        build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "run", log=None)
+    parts = tmp_path / "run" / "checkpoints" / "3_rollouts.parts"
+    assert len([p for p in parts.glob("*.safetensors") if not p.name.startswith(("predicted", "continuations"))]) == 5
+    calls.clear()
+    stop_at.clear()
+    resumed = build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "run", log=None)
+    assert len(calls) == uninterrupted - 5  # the five saved chunks were read back, not recomputed
+    assert resumed.fingerprint() == whole.fingerprint()
+    assert not parts.exists()  # dropped once the stage's checkpoint holds the whole result
+    assert json.loads((tmp_path / "run" / "build_report.json").read_text())["slots"] == 3
