@@ -120,8 +120,11 @@ class PartStore:
             root.mkdir(parents=True)
             write_atomically(stamp, lambda tmp: tmp.write_text(json.dumps({"key": key})))
 
+    def has(self, name: str) -> bool:
+        return self.root is not None and (self.root / f"{name}.safetensors").is_file()
+
     def get(self, name: str) -> dict[str, torch.Tensor] | None:
-        if self.root is None or not (self.root / f"{name}.safetensors").is_file():
+        if not self.has(name):
             return None
         from safetensors.torch import load_file
 

@@ -288,7 +288,7 @@ class _Build:
             return shared[0]
 
         def targets() -> tuple[dict[str, torch.Tensor], dict]:
-            deltas, nll, produced = write_targets(forward(), cfg)
+            deltas, nll, produced = write_targets(forward(), cfg, self.ckpt.parts("6_targets"))
             return {"Y": deltas}, {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced}
 
         Y = self.stage("6_targets", targets)["Y"]

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from aloe_kernels import AloeOperator
 from aloe_kernels.reference import gates_from_scores
 
+from .checkpoints import PartStore
 from .config import BuildConfig
 from .edited_forward import EditedForward
 
@@ -36,12 +37,14 @@ def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens:
                          desc="stages 6-8: gates and layer outputs", owners=owners)
 
 
-def write_targets(fwd: EditedForward, cfg: BuildConfig) -> tuple[torch.Tensor, list[float], float]:
+def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None = None
+                  ) -> tuple[torch.Tensor, list[float], float]:
     """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its request with out += g_i(h) delta_i.
 
     Each batch runs ``target_steps`` steps, then keeps going (up to ``target_max_steps``) on the
     edits whose target is not yet produced greedily; an edit leaves the batch once it is, with
     the delta of that step. Returns the deltas, each edit's final NLL and the share produced.
+    With ``parts`` each batch is saved as it finishes and read back when the stage resumes.
     """
     if cfg.target_l2 < 0 or cfg.target_steps < 0 or cfg.target_max_steps < 0:
         raise ValueError("target_l2, target_steps and target_max_steps must be >= 0")
@@ -50,38 +53,57 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig) -> tuple[torch.Tensor, l
     final_losses = [0.0] * n
     produced = [False] * n
     order = sorted(range(n), key=lambda i: len(fwd.seqs[i]))  # similar lengths share a batch: less padding
-    bar = tqdm(range(0, n, cfg.target_batch), desc="stage 6: write targets", leave=False)
-    with fwd.frozen():
-        for start in bar:
-            rows = order[start: start + cfg.target_batch]
-            delta = torch.zeros(len(rows), fwd.d_out, device=fwd.device, requires_grad=True)
-            opt = torch.optim.Adam([delta], lr=cfg.target_lr)
-            live = list(range(len(rows)))  # batch positions still optimised
-            sub = rows
-            g = fwd.own_gates(sub)[..., None]  # (B, W, 1)
-            for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
-                nll, exact = fwd.scored(sub, g * delta[live][:, None, :])
-                # record the deltas just scored: an edit that leaves keeps the delta that produced it
-                deltas[sub] = delta.detach()[live].float().cpu()
-                for i, v, e in zip(sub, nll.detach().float().cpu().tolist(), exact.tolist()):
-                    final_losses[i], produced[i] = v, e
-                if step >= cfg.target_steps:
-                    keep = ~exact
-                    if not keep.any() or step >= cfg.target_max_steps:
-                        break
-                    if not keep.all():  # some edits left: a smaller batch from here on
-                        live = [b for b, k in zip(live, keep.tolist()) if k]
-                        sub = [rows[b] for b in live]
-                        g = fwd.own_gates(sub)[..., None]
-                        nll = nll[keep.to(nll.device)]
-                loss = nll.sum() + cfg.target_l2 * (delta[live] ** 2).sum()
-                if not torch.isfinite(loss):
-                    raise FloatingPointError("stage 6 (write targets): loss became NaN/Inf")
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-            bar.set_postfix(nll=f"{sum(final_losses[i] for i in rows) / len(rows):.3f}")
+    batches = [order[start: start + cfg.target_batch] for start in range(0, n, cfg.target_batch)]
+    saved = [k for k in range(len(batches)) if parts is not None and parts.has(f"batch-{k}")]
+    # the bar starts past the batches read back: its rate and time left are this run's
+    bar = tqdm(total=len(batches), initial=len(saved), desc="stage 6: write targets", leave=False)
+    with fwd.frozen(), bar:
+        for k, rows in enumerate(batches):
+            piece = parts.get(f"batch-{k}") if k in saved else None
+            if piece is None:
+                piece = _target_batch(fwd, rows, cfg)
+                if parts is not None:
+                    parts.put(f"batch-{k}", piece)
+                bar.update(1)
+            deltas[rows] = piece["delta"]
+            for i, v, e in zip(rows, piece["nll"].tolist(), piece["produced"].tolist()):
+                final_losses[i], produced[i] = v, bool(e)
+            bar.set_postfix(nll=f"{float(piece['nll'].mean()):.3f}")
     return deltas, final_losses, sum(produced) / max(n, 1)
+
+
+def _target_batch(fwd: EditedForward, rows: list[int], cfg: BuildConfig) -> dict[str, torch.Tensor]:
+    """Stage 6 for one batch of slots: their deltas, final NLLs and whether each is produced."""
+    delta = torch.zeros(len(rows), fwd.d_out, device=fwd.device, requires_grad=True)
+    out = torch.zeros(len(rows), fwd.d_out)
+    nll_out = torch.zeros(len(rows))
+    produced = torch.zeros(len(rows), dtype=torch.bool)
+    opt = torch.optim.Adam([delta], lr=cfg.target_lr)
+    live = list(range(len(rows)))  # batch positions still optimised
+    sub = rows
+    g = fwd.own_gates(sub)[..., None]  # (B, W, 1)
+    for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
+        nll, exact = fwd.scored(sub, g * delta[live][:, None, :])
+        # record the deltas just scored: an edit that leaves keeps the delta that produced it
+        out[live] = delta.detach()[live].float().cpu()
+        nll_out[live] = nll.detach().float().cpu()
+        produced[live] = exact.cpu()
+        if step >= cfg.target_steps:
+            keep = ~exact
+            if not keep.any() or step >= cfg.target_max_steps:
+                break
+            if not keep.all():  # some edits left: a smaller batch from here on
+                live = [b for b, k in zip(live, keep.tolist()) if k]
+                sub = [rows[b] for b in live]
+                g = fwd.own_gates(sub)[..., None]
+                nll = nll[keep.to(nll.device)]
+        loss = nll.sum() + cfg.target_l2 * (delta[live] ** 2).sum()
+        if not torch.isfinite(loss):
+            raise FloatingPointError("stage 6 (write targets): loss became NaN/Inf")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"delta": out, "nll": nll_out, "produced": produced}
 
 
 def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch.Tensor:

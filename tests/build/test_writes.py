@@ -139,3 +139,33 @@ def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():
     assert losses == [] and torch.equal(U2, U)
 
 
+
+
+def test_write_targets_resume_after_an_interrupted_batch(tmp_path, monkeypatch):
+    """Stage 6 saves each batch as it finishes: after an interruption the finished batches are read
+    back, not recomputed, and the result equals an uninterrupted run."""
+    import aloe_build.writes as writes
+    from aloe_build.checkpoints import PartStore
+    from aloe_build.edited_forward import EditedForward
+
+    model, tok, seqs, lens, op = _slot_per_sequence()
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
+    cfg = BuildConfig(target_steps=3, target_max_steps=10, target_lr=0.05, target_batch=1)
+    whole = writes.write_targets(fwd, cfg)
+    real, calls = writes._target_batch, []
+
+    def interrupted(fwd, rows, cfg):
+        calls.append(rows)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(fwd, rows, cfg)
+
+    monkeypatch.setattr(writes, "_target_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        writes.write_targets(fwd, cfg, PartStore(tmp_path, "k"))
+    calls.clear()
+    monkeypatch.setattr(writes, "_target_batch", lambda *a: calls.append(a[1]) or real(*a))
+    resumed = writes.write_targets(fwd, cfg, PartStore(tmp_path, "k"))
+    assert len(calls) == 2  # batches 0 and 1 were saved before the interruption
+    torch.testing.assert_close(resumed[0], whole[0])
+    assert resumed[1] == pytest.approx(whole[1]) and resumed[2] == whole[2]
