@@ -122,6 +122,14 @@ def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[l
             for span, t, pr in zip(spans, targets, preds)]
 
 
+def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
+    """The corpus prompts whose states, and those of their continuations, are the shared pool."""
+    texts: list[str] = []
+    for it in corpus.items[: cfg.negative_pool_records]:
+        texts += [it.request, it.locality, *it.same_subject[:1]]
+    return list(dict.fromkeys(texts))
+
+
 def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
     """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
     and of their greedy continuations: negatives for every edit. They depend only on the model,
@@ -131,10 +139,7 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
     file = path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}.safetensors"
     if file.is_file():
         return load_file(str(file))["states"]
-    texts: list[str] = []
-    for it in corpus.items[: cfg.negative_pool_records]:
-        texts += [it.request, it.locality, *it.same_subject[:1]]
-    texts = list(dict.fromkeys(texts))
+    texts = shared_negative_texts(corpus, cfg)
     seqs = continued(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts], cfg.negative_continuation_tokens,
                      cfg.batch_size, "stage 3: continuations of shared negatives")
     pool = collect_states(model, tokenizer, seqs, layer, None, cfg.batch_size, "stage 3: shared negatives").states
@@ -189,10 +194,10 @@ def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildCon
     return texts
 
 
-def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, layer: int,
-                   cfg: BuildConfig, rng: random.Random, parts: PartStore | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """States of the prompts made for each edit and the slot each belongs to."""
+def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cfg: BuildConfig,
+                            rng: random.Random) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """The token sequences made for each edit, the positions of each whose states are negatives,
+    and the slot each belongs to."""
     stream = _Stream(slots, corpus, cfg.seed)
     spec_seqs, spec_pos, spec_owner = [], [], []
     for i, s in enumerate(slots):
@@ -206,6 +211,14 @@ def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences
             spec_seqs.append(ids)
             spec_pos.append(list(range(len(ids))))
             spec_owner.append(i)
+    return spec_seqs, spec_pos, spec_owner
+
+
+def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, layer: int,
+                   cfg: BuildConfig, rng: random.Random, parts: PartStore | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """States of the prompts made for each edit and the slot each belongs to."""
+    spec_seqs, spec_pos, spec_owner = edit_negative_sequences(tokenizer, slots, seqs, corpus, cfg, rng)
     spec = chunked_states(parts, "edit_negatives", model, tokenizer, spec_seqs, layer, spec_pos, cfg.batch_size,
                           "stage 3: edit negatives")
     owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
