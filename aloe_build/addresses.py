@@ -266,10 +266,15 @@ def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: 
                 states: Sequence[torch.Tensor], gate_eps: float, cfg: BuildConfig, chunk: int = 8192
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 5 again for the slots that would open on new negative ``states`` (an append's anchors
-    and negatives): their worst negative becomes the new state's score and the closed form gives
-    new thresholds and temperatures. A slot the new state makes inseparable keeps its temperature
-    and moves its threshold just far enough that the new state falls in the dead zone (locality
-    first, as stage 5 does for inseparable slots).
+    and negatives). Only the new states a slot can separate from its own anchors count, those
+    scoring below its worst positive: the highest of them becomes the slot's worst negative and the
+    closed form gives new thresholds and temperatures. A new state scoring at or above a slot's worst
+    positive (another subject's request in the same template, say, which a one-shot build would
+    separate by refining both addresses together) leaves the slot as it was: shutting it would shut
+    its own fact, and the new edit's write is fitted with the old edits in place, so it corrects for
+    the old write where the two gates overlap. A slot that was already inseparable keeps its
+    temperature and moves its threshold just far enough that the new state falls in the dead zone
+    (locality first, as stage 5 does for inseparable slots).
 
     Returns ``(tau, alpha, s_neg, changed)``: the updated (n,) tensors and the indices recalibrated."""
     floor = tau + _logit(gate_eps) / alpha  # scores at or below this are in the dead zone
@@ -277,7 +282,8 @@ def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: 
     with torch.no_grad():
         for part in states:
             for start in range(0, part.shape[0], chunk):
-                best = torch.maximum(best, (part[start: start + chunk].to(V) @ V.T).amax(0))
+                s = part[start: start + chunk].to(V) @ V.T
+                best = torch.maximum(best, s.masked_fill(s >= s_pos[None, :], -math.inf).amax(0))
     changed = (best > floor).nonzero().squeeze(1)
     tau, alpha, s_neg = tau.clone(), alpha.clone(), s_neg.clone()
     if changed.numel():

@@ -216,3 +216,30 @@ def test_refinement_scores_match_min_and_max_with_their_gradients():
         assert math.isclose(float(neg[i]), float(s_neg.max()), rel_tol=1e-5, abs_tol=1e-5)
         want_grad[i] += weights[i].double() * hard[i, int(s_neg.argmax())].double()
     torch.testing.assert_close(Vg.grad.double(), want_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_recalibrate_shuts_what_a_slot_separates_and_keeps_its_own_fact_open():
+    """An append's new states: one between a slot's worst negative and worst positive raises the
+    slot's threshold by the closed form (its worst positive still at open_gate, the state in the
+    dead zone); one above its worst positive leaves the slot unchanged; an already inseparable slot
+    is shut on the new state."""
+    from aloe_build.writes import gates_of
+
+    cfg, eps = BuildConfig(), 1e-3
+    V = torch.eye(3, 5) * 2.0
+    s_pos = torch.tensor([1.6, 1.6, 1.0])
+    s_neg = torch.tensor([0.4, 0.4, 1.2])  # slot 2 was inseparable
+    tau, alpha, _ = addr._closed_form(s_pos, s_neg, V.norm(dim=1), eps, cfg)
+    between = torch.tensor([[0.5, 0.0, 0.0, 0.866, 0.0]])  # slot 0 scores 1.0: between 0.4 and 1.6
+    above = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.436]])  # slot 1 scores 1.8: above its worst positive
+    near2 = torch.tensor([[0.0, 0.0, 0.45, 0.0, 0.893]])  # slot 2 scores 0.9: under its own 1.0
+    new_tau, new_alpha, new_neg, changed = addr.recalibrate(V, tau, alpha, s_pos, s_neg, [between, above, near2],
+                                                            eps, cfg)
+    assert changed.tolist() == [0, 2]
+    assert new_neg.tolist() == pytest.approx([1.0, 0.4, 1.2])
+    assert (new_tau[1], new_alpha[1]) == (tau[1], alpha[1])
+    op = AloeOperator(addresses=V, thresholds=new_tau, temperatures=new_alpha, writes=torch.zeros(3, 2), gate_eps=eps)
+    anchor0 = torch.tensor([[0.8, 0.0, 0.0, 0.6, 0.0]])  # slot 0's worst positive, 1.6
+    assert gates_of(anchor0, op)[0, 0] == pytest.approx(0.9, abs=1e-3)
+    assert gates_of(between, op)[0, 0] == 0.0 and gates_of(near2, op)[0, 2] == 0.0
+    assert gates_of(above, op)[0, 1] > 0.9
