@@ -140,14 +140,20 @@ def ridge_writes(
     """
     Gp = gates_of(anchors, op).double()  # (A, n)
     Y = Gp[torch.arange(len(anchor_owner)), anchor_owner][:, None] * deltas.double()[anchor_owner]  # (A, d_out)
-    A = Gp.T @ Gp + cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
+    A = _gram(Gp) + cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
     for Gn in gates_in_chunks(negatives, op):
-        Gn = Gn.double()
-        A += cfg.ridge_lambda * (Gn.T @ Gn)
+        A += cfg.ridge_lambda * _gram(Gn.double())
     writes = torch.linalg.solve(A, Gp.T @ Y)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")
     return writes.float()
+
+
+def _gram(G: torch.Tensor) -> torch.Tensor:
+    """G^T G (n, n) of a gate matrix (N, n) through its nonzero entries: gates are exactly 0 outside
+    their slots' addresses, so the cost grows with the open gates, not with N times n squared."""
+    G = G[(G != 0).any(1)]
+    return torch.sparse.mm(G.to_sparse().t(), G)
 
 
 def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:

@@ -243,3 +243,26 @@ def test_recalibrate_shuts_what_a_slot_separates_and_keeps_its_own_fact_open():
     assert gates_of(anchor0, op)[0, 0] == pytest.approx(0.9, abs=1e-3)
     assert gates_of(between, op)[0, 0] == 0.0 and gates_of(near2, op)[0, 2] == 0.0
     assert gates_of(above, op)[0, 1] > 0.9
+
+
+def test_ridge_gram_through_open_gates_equals_dense_formula():
+    """Stage 7 on gates that are mostly exactly 0 (the sparse Gram) against the dense float64
+    formula of paper Eq. 6 written out here."""
+    from aloe_build.writes import gates_in_chunks
+
+    V0, anchors, owner, neg, same = _synthetic(n=9, d=24, anchors_per=3, negs=300, seed=5)
+    cfg = BuildConfig(ridge_lambda=0.7, ridge_mu=1e-3)
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=200, refine_hard_negatives=8))
+    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    # wider gates than calibrated, so that some negatives open some gates too
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds - 0.3, temperatures=cal.temperatures,
+                      writes=torch.zeros(9, 5))
+    deltas = torch.randn(9, 5, generator=torch.Generator().manual_seed(1))
+    negatives = [neg.shared, neg.specific]
+    Gp = gates_of(anchors, op).double()
+    Gn = torch.cat(list(gates_in_chunks(negatives, op))).double()
+    assert 0 < int((Gn != 0).any(1).sum()) < Gn.shape[0]  # some negative rows open a gate, not all
+    Y = Gp[torch.arange(len(owner)), owner][:, None] * deltas.double()[owner]
+    want = torch.linalg.solve(Gp.T @ Gp + 0.7 * Gn.T @ Gn + 1e-3 * torch.eye(9, dtype=torch.float64), Gp.T @ Y)
+    got = ridge_writes(deltas, anchors, owner, negatives, op, cfg)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
