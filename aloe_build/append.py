@@ -3,8 +3,9 @@
 ``append_edits`` builds slots only for the new requests, against the existing
 operator (:class:`aloe_build.pipeline.AppendBase`): the old slots' anchor
 states are negatives of the new slots; the old slots that would open on the new
-anchors or continuation negatives are recalibrated (stage 5's closed form, from the worst
-anchor and worst negative scores kept in the build state); the new writes are
+anchors or continuation negatives, below their own worst anchor, are recalibrated (stage 5's
+closed form, from the worst anchor and worst negative scores kept in the build state; see
+``addresses.recalibrate`` for a new state above an old slot's worst anchor); the new writes are
 fitted with the old edits patched into the model, their writes fixed, so a new
 write corrects for an old gate only where the two overlap. Nothing of the old
 slots is recomputed: what an append needs of them is the build state
