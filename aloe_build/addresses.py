@@ -99,26 +99,20 @@ class NegativeSet:
 
 
 def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """min_{h in P_i} v_i^T h for every slot."""
-    s = (V[owner] * anchors).sum(-1)
-    out = torch.full((V.shape[0],), math.inf, dtype=s.dtype, device=s.device)
-    return out.scatter_reduce(0, owner, s, reduce="amin")
-
-
-def _weakest_anchor(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """min_{h in P_i} v_i^T h for every slot (+inf for a slot without anchors), with the gradient
-    through the one minimising anchor, as ``min`` gives it, but without differentiating a
-    gather of V for every anchor (the minimiser is found without autograd, then one dot per slot)."""
-    n = V.shape[0]
+    """min_{h in P_i} v_i^T h for every slot (+inf for a slot without anchors). The minimising
+    anchor is found without autograd and the gradient flows through one dot product per slot, the
+    gradient of ``min``, without differentiating a gather of V for every anchor."""
+    n, m = V.shape[0], owner.shape[0]
+    if m == 0:
+        return torch.full((n,), math.inf, dtype=V.dtype, device=V.device)
     with torch.no_grad():
         s = (V[owner] * anchors).sum(-1)
         low = torch.full((n,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(0, owner, s, reduce="amin")
-        rows = torch.arange(owner.shape[0], device=owner.device)
-        at = torch.full((n,), owner.shape[0], dtype=torch.long, device=owner.device)
-        at = at.scatter_reduce(0, owner[s == low[owner]], rows[s == low[owner]], reduce="amin")
-        has = at < owner.shape[0]
-    picked = anchors[at.clamp_max(max(owner.shape[0] - 1, 0))] if owner.shape[0] else torch.zeros_like(V)
-    return torch.where(has, (picked * V).sum(-1), math.inf)
+        at_min = s == low[owner]
+        first = torch.full((n,), m, dtype=torch.long, device=owner.device).scatter_reduce(
+            0, owner[at_min], torch.arange(m, device=owner.device)[at_min], reduce="amin")
+        has = first < m
+    return torch.where(has, (anchors[first.clamp_max(m - 1)] * V).sum(-1), math.inf)
 
 
 def _hardest_negative(V: torch.Tensor, hard_h: torch.Tensor) -> torch.Tensor:
@@ -163,7 +157,7 @@ def refine_addresses(
         soft_now = soft_phase and step < soft_steps
         if hard_h is None or step % cfg.refine_remine_every == 0 or (soft_phase and step == soft_steps):
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
-        pos = _weakest_anchor(V, hard_a, hard_own)
+        pos = min_anchor_scores(V, hard_a, hard_own)
         neg = _hardest_negative(V, hard_h)
         hinge = F.relu(margin - pos + neg)
         loss = (hinge**2).mean()

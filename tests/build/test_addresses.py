@@ -200,7 +200,7 @@ def test_refinement_scores_match_min_and_max_with_their_gradients():
     hard = torch.randn(n, k, d, generator=g)
     weights = torch.randn(n, generator=g)
     Vg = V.clone().requires_grad_(True)
-    pos = addr._weakest_anchor(Vg, anchors, owner)
+    pos = addr.min_anchor_scores(Vg, anchors, owner)
     neg = addr._hardest_negative(Vg, hard)
     assert pos[3] == math.inf
     (torch.where(torch.isfinite(pos), pos, 0.0) * weights + neg * weights).sum().backward()
