@@ -9,10 +9,12 @@ interrupted stage loses at most one chunk. One bar per pass counts sequences ove
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
+
+from aloe_kernels.hf import locate_down_proj
 
 from .checkpoints import PartStore
 from .states import StateBatch, collect_states
@@ -25,11 +27,22 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + CHUNK_SEQUENCES)) for lo in range(0, n, CHUNK_SEQUENCES)]
 
 
-def _bar(parts: PartStore | None, name: str, n: int, desc: str) -> tqdm:
-    """A bar over ``n`` items that starts at the items of chunks already saved, so that its rate,
-    and the time left it shows, come from the chunks computed in this run only."""
-    done = sum(hi - lo for c, (lo, hi) in enumerate(_chunks(n)) if parts is not None and parts.has(f"{name}-{c}"))
-    return tqdm(total=n, initial=done, desc=desc, leave=False)
+def _pieces(parts: PartStore | None, name: str, n: int, desc: str,
+            compute: Callable[[int, int], dict[str, torch.Tensor]]
+            ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """``(lo, hi, compute(lo, hi))`` for each chunk of ``n`` items, read back from ``parts`` where
+    saved. The bar starts at the items already saved, so that its rate, and the time left it
+    shows, come from the chunks computed in this run only."""
+    chunks = _chunks(n)
+    done = sum(hi - lo for c, (lo, hi) in enumerate(chunks) if parts is not None and parts.has(f"{name}-{c}"))
+    with tqdm(total=n, initial=done, desc=desc, leave=False) as bar:
+        for c, (lo, hi) in enumerate(chunks):
+            if parts is None:
+                piece, read_back = compute(lo, hi), False
+            else:
+                piece, read_back = parts.cached(f"{name}-{c}", lambda lo=lo, hi=hi: compute(lo, hi))
+            yield lo, hi, piece
+            bar.update(0 if read_back else hi - lo)
 
 
 def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequences: Sequence[Sequence[int]],
@@ -38,43 +51,30 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
     keep = [len(s) if positions is None else len(positions[i]) for i, s in enumerate(sequences)]
     offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(keep, dtype=torch.long), 0)
-    states: torch.Tensor | None = None
-    with _bar(parts, name, len(sequences), desc) as bar:
-        for c, (lo, hi) in enumerate(_chunks(len(sequences))):
-            read_back = parts is not None and parts.has(f"{name}-{c}")
-            def compute(lo=lo, hi=hi) -> dict[str, torch.Tensor]:
-                got = collect_states(model, tokenizer, sequences[lo:hi], layer,
-                                     None if positions is None else positions[lo:hi], batch_size)
-                return {"states": got.states}
+    states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
 
-            piece = parts.cached(f"{name}-{c}", compute)[0] if parts is not None else compute()
-            if states is None:
-                states = torch.zeros(int(offsets[-1]), piece["states"].shape[1])
-            states[int(offsets[lo]): int(offsets[hi])] = piece["states"]
-            bar.update(0 if read_back else hi - lo)
-    if states is None:  # no sequence at all
-        from aloe_kernels.hf import locate_down_proj
+    def compute(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        got = collect_states(model, tokenizer, sequences[lo:hi], layer,
+                             None if positions is None else positions[lo:hi], batch_size)
+        return {"states": got.states}
 
-        states = torch.zeros(0, locate_down_proj(model, layer).d)
+    for lo, hi, piece in _pieces(parts, name, len(sequences), desc, compute):
+        states[int(offsets[lo]): int(offsets[hi])] = piece["states"]
     return StateBatch(states, offsets)
 
 
 def chunked_token_lists(parts: PartStore | None, name: str, n: int,
                         compute: Callable[[int, int], list[list[int]]], desc: str) -> list[list[int]]:
     """``compute(lo, hi)`` (token lists of items lo..hi-1) chunk by chunk, each chunk saved."""
-    out: list[list[int]] = []
-    with _bar(parts, name, n, desc) as bar:
-        for c, (lo, hi) in enumerate(_chunks(n)):
-            read_back = parts is not None and parts.has(f"{name}-{c}")
-            def run(lo=lo, hi=hi) -> dict[str, torch.Tensor]:
-                lists = compute(lo, hi)
-                flat = [t for xs in lists for t in xs]
-                return {"tokens": torch.tensor(flat, dtype=torch.long),
-                        "lengths": torch.tensor([len(xs) for xs in lists], dtype=torch.long)}
 
-            piece = parts.cached(f"{name}-{c}", run)[0] if parts is not None else run()
-            flat = piece["tokens"].tolist()
-            ends = piece["lengths"].cumsum(0).tolist()
-            out += [flat[(ends[i - 1] if i else 0): e] for i, e in enumerate(ends)]
-            bar.update(0 if read_back else hi - lo)
+    def packed(lo: int, hi: int) -> dict[str, torch.Tensor]:
+        lists = compute(lo, hi)
+        return {"tokens": torch.tensor([t for xs in lists for t in xs], dtype=torch.long),
+                "lengths": torch.tensor([len(xs) for xs in lists], dtype=torch.long)}
+
+    out: list[list[int]] = []
+    for _lo, _hi, piece in _pieces(parts, name, n, desc, packed):
+        flat = piece["tokens"].tolist()
+        ends = piece["lengths"].cumsum(0).tolist()
+        out += [flat[(ends[i - 1] if i else 0): e] for i, e in enumerate(ends)]
     return out
