@@ -54,7 +54,7 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     produced = [False] * n
     order = sorted(range(n), key=lambda i: len(fwd.seqs[i]))  # similar lengths share a batch: less padding
     batches = [order[start: start + cfg.target_batch] for start in range(0, n, cfg.target_batch)]
-    saved = [k for k in range(len(batches)) if parts is not None and parts.has(f"batch-{k}")]
+    saved = {k for k in range(len(batches)) if parts is not None and parts.has(f"batch-{k}")}
     # the bar starts past the batches read back: its rate and time left are this run's
     bar = tqdm(total=len(batches), initial=len(saved), desc="stage 6: write targets", leave=False)
     with fwd.frozen(), bar:

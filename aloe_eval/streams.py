@@ -29,11 +29,15 @@ class StreamReport:
         return {"kept": self.kept, "sources": self.sources, "dropped": self.dropped, "checks": self.checks}
 
 
-def _overlaps(stream: Sequence[EditRequest], corpus: Sequence[EditRequest]) -> dict[str, int]:
+def _corpus_keys(corpus: Sequence[EditRequest]) -> tuple[set[str], set[tuple], set[tuple]]:
+    """The corpus's case ids, (subject, prompt) pairs and (prompt, target, subject) records."""
+    return ({str(r.id) for r in corpus if r.id is not None}, {(r.subject, r.prompt) for r in corpus},
+            {(r.prompt, r.target_new, r.subject) for r in corpus})
+
+
+def _overlaps(stream: Sequence[EditRequest], keys: tuple[set[str], set[tuple], set[tuple]]) -> dict[str, int]:
     """Counts of stream records that share something with the corpus (each should be 0)."""
-    ids = {str(r.id) for r in corpus if r.id is not None}
-    pairs = {(r.subject, r.prompt) for r in corpus}
-    records = {(r.prompt, r.target_new, r.subject) for r in corpus}
+    ids, pairs, records = keys
     return {
         "case_id_in_corpus": sum(r.id is not None and str(r.id) in ids for r in stream),
         "subject_prompt_pair_in_corpus": sum((r.subject, r.prompt) in pairs for r in stream),
@@ -48,9 +52,8 @@ def disjoint_stream(sources: Sequence[tuple[str, Sequence[EditRequest]]], corpus
     """The records of ``sources`` (name, records), in order, without any that the corpus holds (same
     case id, same (subject, prompt) pair, or the same record) and without repeats of an earlier
     prompt or id; the report counts each reason and re-checks the result against the corpus."""
-    ids = {str(r.id) for r in corpus if r.id is not None}
-    pairs = {(r.subject, r.prompt) for r in corpus}
-    records = {(r.prompt, r.target_new, r.subject) for r in corpus}
+    keys = _corpus_keys(corpus)
+    ids, pairs, records = keys
     report = StreamReport()
     seen_prompts: set[str] = set()
     seen_ids: set[str] = set()
@@ -79,5 +82,5 @@ def disjoint_stream(sources: Sequence[tuple[str, Sequence[EditRequest]]], corpus
                     seen_ids.add(rid)
                 out.append(r)
     report.kept = len(out)
-    report.checks = _overlaps(out, corpus)
+    report.checks = _overlaps(out, keys)
     return out, report
