@@ -89,17 +89,6 @@ def corpus_states(model, tokenizer, corpus: Corpus, layer: int, batch_size: int)
     return CorpusStates(h[:N], h[N:2 * N], h[2 * N:3 * N], h[3 * N:].reshape(N, S, h.shape[1]))
 
 
-def split_groups(corpus: Corpus, dev_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Train/dev item indices with disjoint relation groups (held-out predicates)."""
-    groups = sorted({it.group for it in corpus.items})
-    rng = random.Random(seed)
-    rng.shuffle(groups)
-    dev_groups = set(groups[: max(1, int(len(groups) * dev_fraction))])
-    train = [i for i, it in enumerate(corpus.items) if it.group not in dev_groups]
-    dev = [i for i, it in enumerate(corpus.items) if it.group in dev_groups]
-    return train, dev
-
-
 def _balanced_batches(groups: list[str], batch: int, rng: random.Random):
     """Endless minibatches: sample a relation group uniformly, then an item of it."""
     by_group: dict[str, list[int]] = {}
@@ -140,10 +129,17 @@ def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: Buil
         s_loc = c * (q_loc * k).sum(-1)
         s_ss = c * torch.einsum("bsp,bp->bs", q_ss, k)
         target = torch.arange(B)
-        rank_q = F.cross_entropy(s_pp, target)  # each paraphrase picks its own key
+        query_logits = s_pp
+        margin_ss = s_ss
+        if cfg.encoder_same_subject_keys:
+            k_ss = F.normalize(cs.same_subject[b] @ K.T, dim=-1)  # (B, S, p): keys of the subject's other relations
+            s_key_ss = c * torch.einsum("bp,bsp->bs", q_pos, k_ss)
+            query_logits = torch.cat([s_pp, s_key_ss], dim=1)
+            margin_ss = torch.cat([s_ss, s_key_ss], dim=1)
+        rank_q = F.cross_entropy(query_logits, target)  # each paraphrase picks its own key
         key_logits = torch.cat([s_pp.T, s_loc[:, None], s_ss], dim=1)  # each key picks its own paraphrase
         rank_k = F.cross_entropy(key_logits, target)
-        margin = (F.relu(m + s_loc - s_pos) ** 2).mean() + (F.relu(m + s_ss - s_pos[:, None]) ** 2).mean()
+        margin = (F.relu(m + s_loc - s_pos) ** 2).mean() + (F.relu(m + margin_ss - s_pos[:, None]) ** 2).mean()
         gram = k @ k.T
         ortho = ((gram - torch.eye(B)) ** 2).sum() / (B * (B - 1))
         loss = rank_q + rank_k + margin + cfg.encoder_ortho * ortho
@@ -165,54 +161,6 @@ def raw_control(cs: CorpusStates, idx: list[int], p: int) -> AddressEncoder:
     return AddressEncoder(P.clone(), P.clone(), torch.tensor(0.0))
 
 
-def _auc(pos: torch.Tensor, neg: torch.Tensor) -> float:
-    scores = torch.cat([pos, neg])
-    ranks = scores.argsort().argsort().double() + 1
-    n_pos, n_neg = len(pos), len(neg)
-    return float((ranks[:n_pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def encoder_diagnostics(enc: AddressEncoder, cs: CorpusStates, dev: list[int], same_subject_16: torch.Tensor | None
-                        ) -> dict[str, float]:
-    """The paper's mechanism analysis on held-out-predicate items.
-
-    - scope_auc: paraphrase score vs the key's negatives (locality, same-subject, other items' queries);
-    - recall: share of paraphrases above the key's calibration threshold (its worst construction
-      negative: locality and same-subject prompts, as stage 5 would calibrate);
-    - same_subject_top1: the paraphrase ranks its own key first among 16 keys of the same subject
-      under different relations (needs ``same_subject_16``: (N, 15, d) states);
-    - negative_fpr: share of unseen negatives (other items' paraphrases and locality inputs) above
-      that threshold.
-    """
-    b = torch.tensor(dev)
-    addr = enc.addresses(cs.request[b])  # (N, d)
-    s_pos = (cs.paraphrase[b] * addr).sum(-1)
-    s_loc = (cs.locality[b] * addr).sum(-1)
-    s_ss = torch.einsum("nsd,nd->ns", cs.same_subject[b], addr)
-    theta = torch.maximum(s_loc, s_ss.max(1).values)
-    others = torch.cat([cs.paraphrase[b], cs.locality[b]])  # (2N, d)
-    s_other = others @ addr.T  # (2N, N)
-    N = len(dev)
-    own = torch.zeros_like(s_other, dtype=torch.bool)
-    own[torch.arange(N), torch.arange(N)] = True
-    own[N + torch.arange(N), torch.arange(N)] = True
-    unseen = s_other.masked_select(~own)
-    unseen_key = torch.arange(N).expand(2 * N, N).masked_select(~own)
-    neg_all = torch.cat([s_loc, s_ss.reshape(-1), unseen])
-    out = {
-        "scope_auc": _auc(s_pos, neg_all),
-        "recall": float((s_pos > theta).double().mean()),
-        "negative_fpr": float((unseen > theta[unseen_key]).double().mean()),
-        "items": N,
-    }
-    if same_subject_16 is not None:
-        keys16 = torch.cat([cs.request[b][:, None], same_subject_16], 1)  # (N, 16, d)
-        a16 = enc.log_c.exp() * (F.normalize(keys16 @ enc.K.T, dim=-1) @ enc.Q)  # (N, 16, d)
-        s16 = torch.einsum("nkd,nd->nk", a16, cs.paraphrase[b])
-        out["same_subject_top1"] = float((s16.argmax(1) == 0).double().mean())
-    return out
-
-
 def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig) -> str:
     """Key of an encoder in the cache: model weight, layer, corpus and the stage-1 settings (not the cache's place)."""
     fields = {k: v for k, v in cfg.fields_of(1).items() if k != "encoder_cache"}
@@ -220,33 +168,3 @@ def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig)
     h.update(json.dumps([fingerprint, layer, str(Path(corpus_path).resolve()), corpus_path.stat().st_size,
                          fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())
     return h.hexdigest()[:16]
-
-
-DIAGNOSTIC_ITEMS = 200  # held-out items scored (each needs 15 extra same-subject prompts)
-
-
-def build_encoder(model, tokenizer, corpus: Corpus, layer: int, cfg: BuildConfig) -> tuple[AddressEncoder, dict]:
-    """Collect corpus states, train on held-in predicates, report diagnostics on held-out ones,
-    then return the encoder with its metrics (learned vs raw control)."""
-    cs = corpus_states(model, tokenizer, corpus, layer, cfg.batch_size)
-    groups = [it.group for it in corpus.items]
-    train, dev = split_groups(corpus, 0.1, cfg.seed)
-    enc = train_encoder(cs, groups, train, cfg)
-    rng = random.Random(cfg.seed + 1)
-    dev16 = None
-    dev = dev[:DIAGNOSTIC_ITEMS]
-    if dev:
-        texts = []
-        for i in dev:
-            it = corpus.items[i]
-            texts += corpus.other_relation_prompts(it.subject, it.group, 15, rng)
-        if len(texts) == 15 * len(dev):
-            dev16 = last_token_states(model, tokenizer, texts, layer, cfg.batch_size,
-                                      desc="encoder diagnostics").reshape(len(dev), 15, -1)
-    metrics = {
-        "train_items": len(train),
-        "learned": encoder_diagnostics(enc, cs, dev, dev16) if dev else {},
-        "raw_control": encoder_diagnostics(raw_control(cs, train, cfg.encoder_dim), cs, dev, dev16) if dev else {},
-        "c": enc.c,
-    }
-    return enc, metrics

@@ -30,8 +30,9 @@ from .config import BuildConfig
 from .corpus import Corpus, load_corpus
 from .data import EditRequest
 from .edited_forward import EditedForward
-from .encoder import AddressEncoder, build_encoder, cache_key
+from .encoder import AddressEncoder, cache_key
 from .forward import model_device
+from .mechanism import build_encoder
 from .models import cache_root, default_layer, model_name
 from .rollouts import TokenSequences, rollouts, token_sequences
 from .slots import Slot, make_slots
@@ -96,6 +97,19 @@ def _encoder(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: Buil
     enc, metrics = build_encoder(model, tokenizer, corpus, layer, cfg)
     enc.save(path, metrics)
     return enc, metrics, False
+
+
+def _encoder_summary(metrics: dict) -> str:
+    """One line per protocol: learned vs raw-control AUC and same-subject top-1."""
+    parts = []
+    for protocol in ("subject", "relation"):
+        m = metrics.get(protocol, {})
+        if "learned" in m:
+            lr, raw = m["learned"], m["raw_control"]
+            top1, raw_top1 = lr.get("same_subject_top1", float("nan")), raw.get("same_subject_top1", float("nan"))
+            parts.append(f"{protocol}: AUC {lr['scope_auc']:.3f} (raw {raw['scope_auc']:.3f}), "
+                         f"same-subject top-1 {top1:.3f} (raw {raw_top1:.3f})")
+    return "; ".join(parts) or "no held-out diagnostics"
 
 
 def encoder_cache_dir(cfg: BuildConfig, fingerprint: str, layer: int, corpus_path: Path) -> Path:
@@ -175,7 +189,7 @@ class _Build:
         enc_dir = encoder_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
         enc, enc_metrics, reused = _encoder(model, tokenizer, self.layer, enc_dir, corpus, cfg)
         self.report.stage("1_encoder", time.perf_counter() - t0, reused=reused, corpus=str(corpus_path), **enc_metrics)
-        self.say(f"1_encoder: {'reused' if reused else 'trained'}; held-out learned {enc_metrics.get('learned')}")
+        self.say(f"1_encoder: {'reused' if reused else 'trained'}; {_encoder_summary(enc_metrics)}")
         seqs = token_sequences(tokenizer, self.slots, corpus, cfg)
         # (2) initial addresses from the request states
         V0 = self.stage("2_init", lambda: ({"V0": self.initial_addresses(enc)}, {}))["V0"]

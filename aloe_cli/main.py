@@ -51,12 +51,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     from aloe_build import BuildConfig, build_operator, load_edits
 
-    from .options import load_model_for
+    from .options import config_overrides, load_model_for
 
-    overrides = json.loads(Path(args.config).read_text()) if args.config else {}
-    for item in args.set or []:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value) if value[:1] in "0123456789-[{tfn\"" else value
+    overrides = config_overrides(args)
     if args.layer is not None:
         overrides["layer"] = args.layer
     cfg = BuildConfig.from_dict(overrides)
@@ -103,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .demo import add_demo_cli
     from .edits import add_edit_cli
     from .eval import add_eval_cli
+    from .mechanism import add_mechanism_cli
 
     add_edit_cli(sub)
     add_demo_cli(sub)
     add_eval_cli(sub)
+    add_mechanism_cli(sub)
     add_vllm_cli(sub)
 
     p = sub.add_parser("bench", help="gate-throughput microbenchmark (arguments go to benchmarks/bench_gate.py)")

@@ -24,3 +24,15 @@ def load_model_for(args: argparse.Namespace, name: str | None = None) -> tuple[A
     param = next(model.parameters())
     print(f"model on {param.device} in {str(param.dtype).removeprefix('torch.')}")
     return model, tokenizer
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """BuildConfig fields from ``--config`` (a JSON file, where the command has it) and ``--set KEY=VALUE``."""
+    import json
+    from pathlib import Path
+
+    overrides = json.loads(Path(args.config).read_text()) if getattr(args, "config", None) else {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value) if value[:1] in "0123456789-[{tfn\"" else value
+    return overrides

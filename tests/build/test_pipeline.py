@@ -61,6 +61,10 @@ def test_tiny_pipeline_shapes_report_and_determinism(tmp_path):
     report = json.loads((tmp_path / "run" / "build_report.json").read_text())
     assert {"1_encoder", "2_init", "3_rollouts", "4_refine", "5_calibrate", "6_targets", "7_ridge", "8_finetune"} <= set(
         report["stages"])
+    encoder = report["stages"]["1_encoder"]
+    for protocol in ("subject", "relation"):  # each protocol scored, or the reason it could not be
+        assert {"learned", "raw_control"} <= set(encoder[protocol]) or "skipped" in encoder[protocol]
+    assert 0.0 <= encoder["subject"]["learned"]["scope_auc"] <= 1.0
     assert not list((tmp_path / "run" / "checkpoints").glob("*.parts"))  # stage parts go once a stage is done
     again = build_operator(tiny_model("llama"), tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run2", log=None)
     assert again.fingerprint() == op.fingerprint()
