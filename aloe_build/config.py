@@ -88,6 +88,10 @@ class BuildConfig:
     # Context positives: the request after this many true statements of the construction corpus,
     # required anchors at the last prompt token, so that an edit fires after unrelated text
     positives_prefixed: int = _at(3, 4)
+    # Chat positives: the request as the user turn of the model's chat template (its default
+    # system prompt), the target as the start of the answer; required anchors along the target and
+    # training sequences of the writes, so that an edit fires as a served chat model is asked
+    positives_chat: bool = _at(3, False)
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = _at(4, 3000)

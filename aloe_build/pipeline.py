@@ -284,15 +284,15 @@ class _Build:
     def fit_writes(self, gated: AloeOperator, roll: dict[str, torch.Tensor], seqs: TokenSequences) -> torch.Tensor:
         """Stages 6-8: write targets, the joint ridge solve and the NLL fine-tuning of the writes."""
         cfg, n = self.cfg, self.n
-        # training sequences: the requests (sequence i = slot i), then the rewordings whose own gate
+        # training sequences: the requests (sequence i = slot i), the chat forms, then the rewordings whose own gate
         # opens at their last prompt token (a write cannot reach a closed one). Prefixed requests are
         # not trained on: the request's write carries to them.
-        train_seqs = list(range(n)) + _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"], seqs.seq_owner,
-                                                        seqs.seq_soft)
+        train_seqs = list(range(n)) + seqs.trained + _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"],
+                                                                       seqs.seq_owner, seqs.seq_soft)
         train_owner = seqs.seq_owner[train_seqs].tolist()
         all_prompts = seqs.prompts + seqs.extra_prompts
-        target_lens = [min(len(seqs.targets[i]), cfg.max_target_tokens) for i in train_owner]
-        tseqs = [all_prompts[j] + seqs.targets[i][: cfg.max_target_tokens] for j, i in zip(train_seqs, train_owner)]
+        target_lens = [min(len(seqs.target(j)), cfg.max_target_tokens) for j in train_seqs]
+        tseqs = [all_prompts[j] + seqs.target(j)[: cfg.max_target_tokens] for j in train_seqs]
         # one pass up to the edited layer, shared by stages 6 and 8 when both run
         shared: list[EditedForward] = []
 

@@ -13,7 +13,7 @@ other templates and subjects, word-swapped templates and exclusion rewordings.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -26,19 +26,47 @@ from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_temp
 from .forward import greedy_generate, teacher_forced
 from .slots import Slot
 from .states import collect_states
-from .tokens import encode_continuation, encode_prompt, pad_id
+from .tokens import chat_answer, chat_prompt, encode_continuation, encode_prompt, pad_id
 
 
 @dataclass
 class TokenSequences:
-    """The token sequences of a build: each slot's request and target, then the extra positives
-    (rewordings first, they are soft anchors; then the request after corpus statements)."""
+    """The token sequences of a build: each slot's request and target, then the extra positives:
+    those with anchors along a target first (rewordings, soft anchors; the chat form), then the
+    request after corpus statements (anchored at its last prompt token)."""
 
     prompts: list[list[int]]
     targets: list[list[int]]
     extra_prompts: list[list[int]]
     extra_owner: list[int]
     extra_soft: list[bool]
+    extra_targets: list[list[int]] = field(default_factory=list)  # the target each extra continues with
+    extra_along: list[bool] = field(default_factory=list)  # anchored along its target (else last prompt token)
+
+    def add(self, prompt: list[int], owner: int, soft: bool, along: bool, target: list[int] | None = None) -> None:
+        if along and self.extra_along and not self.extra_along[-1]:
+            raise ValueError("extras anchored along a target must come before those anchored at the prompt")
+        self.extra_prompts.append(prompt)
+        self.extra_owner.append(owner)
+        self.extra_soft.append(soft)
+        self.extra_targets.append(self.targets[owner] if target is None else target)
+        self.extra_along.append(along)
+
+    def target(self, seq: int) -> list[int]:
+        """The target of anchor sequence ``seq`` (a request for ``seq`` < slots, else an extra)."""
+        n = len(self.prompts)
+        return self.targets[seq] if seq < n else self.extra_targets[seq - n]
+
+    @property
+    def along(self) -> int:
+        """How many extras (the first ones) are anchored along their target."""
+        return sum(self.extra_along)
+
+    @property
+    def trained(self) -> list[int]:
+        """Extra sequences that always train the writes: the required ones along a target."""
+        n = len(self.prompts)
+        return [n + k for k, (a, soft) in enumerate(zip(self.extra_along, self.extra_soft)) if a and not soft]
 
     @property
     def seq_owner(self) -> torch.Tensor:
@@ -48,10 +76,6 @@ class TokenSequences:
     @property
     def seq_soft(self) -> torch.Tensor:
         return torch.tensor([False] * len(self.prompts) + self.extra_soft, dtype=torch.bool)
-
-    @property
-    def rewordings(self) -> int:
-        return sum(self.extra_soft)
 
 
 def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: BuildConfig) -> TokenSequences:
@@ -70,17 +94,17 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
     for i, s in enumerate(slots):
         if s.template and cfg.positives_same_relation > 0:
             for text in corpus.same_relation_prompts(s.template, s.subject, cfg.positives_same_relation, para_rng):
-                seqs.extra_prompts.append(encode_prompt(tokenizer, text))
-                seqs.extra_owner.append(i)
-                seqs.extra_soft.append(True)
+                seqs.add(encode_prompt(tokenizer, text), i, soft=True, along=True)
+    # The request as a chat model is asked: the answer starts with the target (no leading space).
+    if cfg.positives_chat:
+        for i, s in enumerate(slots):
+            seqs.add(chat_prompt(tokenizer, s.prompt), i, soft=False, along=True, target=chat_answer(tokenizer, s.target))
     # The request after corpus statements: the edit must fire whatever text comes before it, so
     # these anchors are required like the request's own.
     prefix_rng = random.Random(cfg.seed + 3)
     for i, s in enumerate(slots):
         for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng):
-            seqs.extra_prompts.append(encode_prompt(tokenizer, text))
-            seqs.extra_owner.append(i)
-            seqs.extra_soft.append(False)
+            seqs.add(encode_prompt(tokenizer, text), i, soft=False, along=False)
     return seqs
 
 
@@ -230,16 +254,14 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
              ) -> tuple[dict[str, torch.Tensor], dict]:
     """Stage 3: anchors H+ (with their slot and sequence) and negatives H-; returns the tensors
     and the stage's report. With ``parts`` every long pass saves its chunks there as they finish."""
-    # along the target for requests and rewordings; the prefixed requests only at their last
+    # along the target for requests, rewordings and chat forms; the prefixed requests only at their last
     # prompt token (the positions along the target are the request's own target text)
-    r = seqs.rewordings
-    owner_r = seqs.extra_owner[:r]
+    r = seqs.along
     positions = anchor_positions(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
-                                 seqs.targets + [seqs.targets[i] for i in owner_r],
+                                 seqs.targets + seqs.extra_targets[:r],
                                  cfg.max_target_tokens, cfg.anchor_predicted_targets, cfg.batch_size, parts)
     positions += [[len(p) - 1] for p in seqs.extra_prompts[r:]]
-    full = [p + t for p, t in zip(seqs.prompts, seqs.targets)]
-    full += [p + seqs.targets[i] for p, i in zip(seqs.extra_prompts[:r], owner_r)]
+    full = [p + t for p, t in zip(seqs.prompts + seqs.extra_prompts[:r], seqs.targets + seqs.extra_targets[:r])]
     anchors = chunked_states(parts, "anchors", model, tokenizer, full + seqs.extra_prompts[r:], layer, positions,
                              cfg.batch_size, "stage 3: anchor states")
     pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg)

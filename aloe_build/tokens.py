@@ -44,6 +44,24 @@ def encode_continuation(tokenizer, prompt: str, text: str) -> tuple[tuple[int, .
     return tuple(p), tuple(cont)
 
 
+def chat_prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
+    """Token ids of ``question`` as the user turn of the model's chat template, ready for the
+    assistant's answer; ``system`` None keeps the template's own default system prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return encode_prompt(tokenizer, text, special=False)
+
+
+def chat_answer(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as the start of an assistant turn (no leading space)."""
+    ids = encode_prompt(tokenizer, text.strip(), special=False)
+    if not ids:
+        raise ValueError(f"{text!r} tokenizes to no tokens")
+    return ids
+
+
 def pad_id(tokenizer) -> int:
     """The id used for left padding: the pad token, else the EOS token."""
     pid = tokenizer.pad_token_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from aloe_build import EditDataError, load_edits
 from aloe_build.models import resolve_dtype
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
+from aloe_eval.chat import chat_evaluation, chat_markdown
 from aloe_kernels import AloeOperator
 from aloe_kernels.errors import AloeError
 
@@ -115,19 +117,38 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "argv": list(sys.argv),
         "model_arg": str(args.model),
     }
+    out = Path(args.out) if args.out else _default_out(args)
+    if args.chat != "off":
+        if editor is None:
+            print("aloe eval: error: --chat needs --operator", file=sys.stderr)
+            return 2
+        _chat(model, tokenizer, requests, editor, args, meta, out)
+        if args.chat == "only":
+            return 0
     try:
         report = evaluate(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
                           baseline=baselines, layer=args.layer, grace_config=grace_cfg, meta=meta)
     except AloeError as exc:
         print(f"aloe eval: error: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else _default_out(args)
     paths = report.save(out, plots=not args.no_plots)
     print(report.to_markdown().split("## Definitions")[0].rstrip())
     print()
     for k, p in paths.items():
         print(f"wrote {k}: {p}")
     return 0
+
+
+def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: dict, out: Path) -> None:
+    """The chat-form evaluation (:mod:`aloe_eval.chat`) into ``out/chat.json`` and ``out/chat.md``."""
+    result = chat_evaluation(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet)
+    result["meta"] = meta
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chat.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    table = chat_markdown(result)
+    (out / "chat.md").write_text(f"Command: `{meta['command']}`\n\n{table}\n")
+    print(table)
+    print(f"wrote chat: {out / 'chat.json'}")
 
 
 def _cmd_sequential(args: argparse.Namespace) -> int:
@@ -182,6 +203,9 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
                    "all edits so far after each (operators in OUT/op<k>, curve in OUT/sequential.json, "
                    "OUT/retention.png; resumable)")
     add_device_args(p)
+    p.add_argument("--chat", default="off", choices=("off", "also", "only"),
+                   help="also (or only) ask each request through the model's chat template, with its default and "
+                        "with a custom system prompt (chat.json, chat.md)")
     p.add_argument("--operator-dtype", default="served", choices=("served",) + DTYPE_CHOICES[1:],
                    help="precision of the patched operator (default served: float32 on CPU, the model's dtype on "
                    "a GPU, as the HF patch and vLLM serve it); bfloat16 on CPU reproduces a GPU's numbers")

@@ -228,6 +228,34 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
             assert len(found) == len(own) == k
 
 
+def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
+    """With ``positives_chat``, each slot's anchors include the states of its request as a chat
+    user turn followed by the target as the answer (the last prompt token and the answer's
+    positions), owned by that slot alone, and each chat form is a training sequence of the writes."""
+    from safetensors.torch import load_file
+
+    from aloe_build.states import collect_states
+    from aloe_build.tokens import chat_answer, chat_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+                         "{% if add_generation_prompt %}assistant : {% endif %}")
+    edits = _edits()[:3]
+    for chat in (True, False):
+        out = tmp_path / f"chat{chat}"
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_chat=chat, positives_prefixed=0),
+                       out_dir=out, log=None)
+        roll = load_file(str(out / "checkpoints" / "3_rollouts.safetensors"))
+        report = json.loads((out / "build_report.json").read_text())
+        assert report["stages"]["3_rollouts"]["paraphrase_positives"] == (len(edits) if chat else 0)
+        assert report["stages"]["8_finetune"]["paraphrase_sequences"] == (len(edits) if chat else 0)
+        for i, e in enumerate(edits):
+            prompt, answer = chat_prompt(tok, e.prompt), chat_answer(tok, e.target_new)
+            h = collect_states(model, tok, [prompt + answer], 1, [[len(prompt) - 1]]).states
+            assert _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h) == chat
+            assert not _rows_contain(roll["anchors"][roll["anchor_owner"] != i], h)
+
+
 def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
     """Same-relation positives: the write stages train on exactly the rewordings whose own gate is
     at least 0.5 at their last prompt token (their first anchor), scored with the built operator."""

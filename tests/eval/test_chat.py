@@ -1,0 +1,95 @@
+"""Requests asked through the chat template: prompts, answers and the chat metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aloe_build.data import EditRequest
+from aloe_build.tokens import chat_answer, chat_prompt
+from aloe_eval import Editor
+from aloe_eval.chat import CHAT_TOKENS, chat_evaluation, contains_target, starts_with_target
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+            "{% if add_generation_prompt %}assistant : {% endif %}")
+
+
+class ForceToken(Editor):
+    """Adds a large logit to one token at every position while attached (answers change from the first token)."""
+
+    name = "force"
+
+    def __init__(self, token: int):
+        self.token, self.handle = token, None
+
+    def attach(self, model):
+        def hook(module, args, out):
+            out = out.clone()
+            out[..., self.token] += 1e4
+            return out
+        self.handle = model.lm_head.register_forward_hook(hook)
+
+    def detach(self, model):
+        self.handle.remove()
+
+
+def _setup():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    tok.chat_template = TEMPLATE
+    return model, tok
+
+
+def _answer(model, tok, question: str, system: str | None) -> list[int]:
+    """Greedy answer of one conversation, one at a time with HF generate (no batching, no padding)."""
+    ids = torch.tensor([chat_prompt(tok, question, system)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=CHAT_TOKENS, do_sample=False,
+                             pad_token_id=tok.pad_token_id, eos_token_id=None)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_target_rules():
+    assert contains_target("It is in Rome, Italy", " rome ") and not contains_target("Paris", "Rome")
+    assert starts_with_target("  Rome, of course", "rome") and not starts_with_target("In Rome", "Rome")
+
+
+def test_chat_prompt_renders_the_template_and_answers_start_without_a_space():
+    _, tok = _setup()
+    ids = chat_prompt(tok, "the capital of France is", "be brief")
+    assert tok.decode(ids) == tok.decode(tok("system : be brief . user : the capital of France is . assistant :",
+                                             add_special_tokens=False)["input_ids"])
+    assert chat_answer(tok, " Paris ") == tok("Paris", add_special_tokens=False)["input_ids"]
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        chat_prompt(tok, "x")
+
+
+def test_chat_metrics_against_one_at_a_time_generation():
+    """Targets taken from the unedited model's own one-at-a-time answers: the unedited editor scores
+    efficacy 1 and locality 1; an editor that forces another first token scores locality 0 and
+    efficacy only where the forced token is the target."""
+    model, tok = _setup()
+    questions = ["The capital of France is", "John Lennon plays the", "The Eiffel Tower is located in the city of"]
+    answers = [tok.decode(_answer(model, tok, q, None), skip_special_tokens=True) for q in questions]
+    first = [a.split()[0] for a in answers]
+    forced = next(t for t in range(3, 128) if tok.decode([t]).isalpha() and not any(tok.decode([t]) in a for a in answers))
+    reqs = [EditRequest(q, first[i] if i else tok.decode([forced]), "x",
+                        locality=[questions[(i + 1) % 3]], id=str(i)) for i, q in enumerate(questions)]
+    systems = {"default_system": None}
+
+    class Unedited(Editor):
+        def attach(self, model):
+            pass
+
+        def detach(self, model):
+            pass
+
+    same = chat_evaluation(model, tok, reqs, Unedited(), batch_size=2, progress=False, systems=systems)["default_system"]
+    assert same["locality"] == 1.0
+    assert same["efficacy"] == same["unedited_efficacy"] == pytest.approx(2 / 3)  # edit 0's target is forced's
+    forced_run = chat_evaluation(model, tok, reqs, ForceToken(forced), batch_size=2, progress=False,
+                                 systems=systems)["default_system"]
+    assert forced_run["locality"] == 0.0
+    assert forced_run["efficacy"] == forced_run["efficacy_prefix"] == pytest.approx(1 / 3)
+    assert [m["request"] for m in forced_run["misses"]] == questions[1:]
