@@ -48,7 +48,7 @@ class BuildConfig:
     encoder_lr: float = _at(1, 2e-3)
     encoder_margin: float = _at(1, 0.2)  # locality / same-subject margin m in score units
     encoder_ortho: float = _at(1, 0.1)  # weight of the key orthogonality penalty
-    encoder_same_subject: int = _at(1, 4)  # same-subject other-relation prompts per corpus record
+    encoder_same_subject: int = _at(1, 2)  # same-subject other-relation prompts per corpus record
     # the same-subject prompts also serve as competing keys: each paraphrase must pick its own
     # request over keys of its subject under other relations (the 16-way test of the paper)
     encoder_same_subject_keys: bool = _at(1, True)

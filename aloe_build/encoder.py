@@ -161,9 +161,15 @@ def raw_control(cs: CorpusStates, idx: list[int], p: int) -> AddressEncoder:
     return AddressEncoder(P.clone(), P.clone(), torch.tensor(0.0))
 
 
-def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig) -> str:
-    """Key of an encoder in the cache: model weight, layer, corpus and the stage-1 settings (not the cache's place)."""
-    fields = {k: v for k, v in cfg.fields_of(1).items() if k != "encoder_cache"}
+# the stage-1 fields that decide the corpus items (and so the shared negatives mined from them)
+CORPUS_FIELDS = ("encoder_corpus", "encoder_records", "encoder_same_subject")
+
+
+def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig, corpus_only: bool = False) -> str:
+    """Key of an encoder in the cache: model weight, layer, corpus and the stage-1 settings (not the
+    cache's place); with ``corpus_only``, only what decides the corpus items (the shared negatives' key)."""
+    fields = {k: v for k, v in cfg.fields_of(1).items()
+              if k != "encoder_cache" and (not corpus_only or k in CORPUS_FIELDS)}
     h = hashlib.sha256()
     h.update(json.dumps([fingerprint, layer, str(Path(corpus_path).resolve()), corpus_path.stat().st_size,
                          fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())

@@ -113,9 +113,16 @@ def _encoder_summary(metrics: dict) -> str:
 
 
 def encoder_cache_dir(cfg: BuildConfig, fingerprint: str, layer: int, corpus_path: Path) -> Path:
-    """Where the encoder and the shared negatives of a (model weight, layer, corpus, settings) live."""
+    """Where the encoder of a (model weight, layer, corpus, stage-1 settings) lives."""
     root = Path(cfg.encoder_cache) if cfg.encoder_cache else cache_root() / "encoders"
     return root / cache_key(fingerprint, layer, corpus_path, cfg)
+
+
+def negatives_cache_dir(cfg: BuildConfig, fingerprint: str, layer: int, corpus_path: Path) -> Path:
+    """Where the shared negatives of a (model weight, layer, corpus items) live: beside the encoders,
+    keyed without the encoder's training settings, so retraining an encoder reuses them."""
+    root = Path(cfg.encoder_cache) if cfg.encoder_cache else cache_root() / "encoders"
+    return root / "negatives" / cache_key(fingerprint, layer, corpus_path, cfg, corpus_only=True)
 
 
 def build_operator(
@@ -194,7 +201,8 @@ class _Build:
         # (2) initial addresses from the request states
         V0 = self.stage("2_init", lambda: ({"V0": self.initial_addresses(enc)}, {}))["V0"]
         # (3) rollouts: anchors H+ and negatives H-
-        roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, enc_dir,
+        pool_dir = negatives_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
+        roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, pool_dir,
                                                          self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
         soft = seqs.seq_soft[roll["anchor_seq"]]
         negatives = _negative_set(roll, self.base.state.anchors if self.base else None)

@@ -3,8 +3,8 @@
 Anchors are states along the teacher-forced target (the states the edited
 model passes through while it generates the target) and at the last token of
 the request after corpus statements. Negatives are corpus prompts at every
-position and their greedy continuations (shared by every edit, cached beside
-the encoder), the unedited model's continuations of every request, and
+position and their greedy continuations (shared by every edit, cached per
+model, layer and corpus), the unedited model's continuations of every request, and
 prompts made for each edit: the request's earlier positions, same-subject
 other-relation prompts, same-relation other-subject prompts, the stream's
 other templates and subjects, word-swapped templates and exclusion rewordings.
@@ -157,7 +157,7 @@ def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
 def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
     """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
     and of their greedy continuations: negatives for every edit. They depend only on the model,
-    layer and corpus, so they are cached beside the encoder and shared by every build."""
+    layer and corpus items, so they are cached (see pipeline.negatives_cache_dir) and shared by every build."""
     from safetensors.torch import load_file
 
     file = path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}.safetensors"

@@ -228,6 +228,27 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
             assert len(found) == len(own) == k
 
 
+def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeypatch):
+    """Two builds whose encoders train differently share one pool file; a corpus change makes another."""
+    from aloe_build import rollouts
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:2]
+    made = []
+    original = rollouts.collect_states
+
+    def counting(*args, **kw):
+        if kw.get("desc") == "stage 3: shared negatives" or (len(args) > 6 and args[6] == "stage 3: shared negatives"):
+            made.append(1)
+        return original(*args, **kw)
+
+    monkeypatch.setattr(rollouts, "collect_states", counting)
+    for i, kw in enumerate([dict(encoder_steps=20), dict(encoder_steps=21, encoder_margin=0.3), dict(encoder_records=30)]):
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, **kw), out_dir=tmp_path / f"r{i}", log=None)
+    pools = sorted(p.parent.name for p in (tmp_path / "enc" / "negatives").glob("*/negatives-*.safetensors"))
+    assert len(pools) == 2 and len(made) == 2  # the second build read the first one's pool
+
+
 def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
     """With ``positives_chat``, each slot's anchors include the states of its request as a chat
     user turn followed by the target as the answer (the last prompt token and the answer's
