@@ -10,14 +10,16 @@ Two protocols split a construction corpus into train / calibration / development
 
 The metrics score development items with a threshold transferred from the calibration part:
 
-- ``scope_auc``: a paraphrase's score on its own key against every negative of that key
-  (its locality input, its same-subject other-relation prompts, other items' prompts);
+- ``scope_auc``: paraphrases on their own keys against the keys' negatives, the mean of the AUCs
+  of three kinds (``auc_locality``: each key's locality input; ``auc_same_subject``: its
+  same-subject other-relation prompts; ``auc_others``: other items' paraphrases and locality inputs);
 - ``recall``: share of development paraphrases above the transferred threshold;
-- ``negative_fpr``: share of those negatives above it (``hard_fpr``: locality and same-subject only);
+- ``negative_fpr``: the mean over the three kinds of the share of negatives above it (``fpr_<kind>``);
 - ``same_subject_top1``: the paraphrase ranks its own key first among 16 keys of the same
   subject (its request and 15 other-relation prompts).
 
-The threshold is the one that maximizes recall minus false-positive rate on the calibration part.
+The threshold is the one that maximizes recall minus the mean false-positive rate on the
+calibration part.
 """
 
 from __future__ import annotations
