@@ -92,6 +92,13 @@ class BuildConfig:
     # system prompt), the target as the start of the answer; required anchors along the target and
     # training sequences of the writes, so that an edit fires as a served chat model is asked
     positives_chat: bool = _at(3, False)
+    # With chat positives, chat-form negatives: the requests and locality prompts of the first this
+    # many corpus records asked through the same template (every position after the shared header,
+    # and the unedited answer's first tokens), shared by every edit and cached like the pool...
+    negatives_chat_pool: int = _at(3, 400)
+    # ...and the first this many of each edit's own negative prompts (other relations of its subject
+    # first) asked the same way, negatives of its slot
+    negatives_chat_own: int = _at(3, 2)
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = _at(4, 3000)

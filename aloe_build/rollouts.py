@@ -8,6 +8,8 @@ model, layer and corpus), the unedited model's continuations of every request, a
 prompts made for each edit: the request's earlier positions, same-subject
 other-relation prompts, same-relation other-subject prompts, the stream's
 other templates and subjects, word-swapped templates and exclusion rewordings.
+With chat positives, corpus prompts and each edit's first own negatives are also
+asked through the chat template.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_temp
 from .forward import greedy_generate, teacher_forced
 from .slots import Slot
 from .states import collect_states
-from .tokens import chat_answer, chat_prompt, encode_continuation, encode_prompt, pad_id
+from .tokens import chat_answer, chat_header_length, chat_prompt, chat_template_key, encode_continuation, encode_prompt, pad_id
 
 
 @dataclass
@@ -154,22 +156,52 @@ def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
+def _cached_states(file: Path, compute) -> torch.Tensor:
+    """States read from ``file``, or computed by ``compute()`` and written there atomically."""
+    from safetensors.torch import load_file
+
+    if file.is_file():
+        return load_file(str(file))["states"]
+    states = compute()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_tensors_atomically({"states": states.contiguous()}, file)
+    return states
+
+
 def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
     """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
     and of their greedy continuations: negatives for every edit. They depend only on the model,
-    layer and corpus items, so they are cached (see pipeline.negatives_cache_dir) and shared by every build."""
-    from safetensors.torch import load_file
+    layer and corpus items, so they are cached (see pipeline.negatives_cache_dir) and shared by every
+    build. With chat positives, the chat-form pool (:func:`shared_chat_negatives`) is added."""
+    def compute() -> torch.Tensor:
+        texts = shared_negative_texts(corpus, cfg)
+        seqs = continued(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts],
+                         cfg.negative_continuation_tokens, cfg.batch_size, "stage 3: continuations of shared negatives")
+        return collect_states(model, tokenizer, seqs, layer, None, cfg.batch_size, "stage 3: shared negatives").states
 
-    file = path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}.safetensors"
-    if file.is_file():
-        return load_file(str(file))["states"]
-    texts = shared_negative_texts(corpus, cfg)
-    seqs = continued(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts], cfg.negative_continuation_tokens,
-                     cfg.batch_size, "stage 3: continuations of shared negatives")
-    pool = collect_states(model, tokenizer, seqs, layer, None, cfg.batch_size, "stage 3: shared negatives").states
-    path.mkdir(parents=True, exist_ok=True)
-    save_tensors_atomically({"states": pool.contiguous()}, file)
+    pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}"
+                                 ".safetensors", compute)
+    if cfg.positives_chat and cfg.negatives_chat_pool > 0:
+        pool = torch.cat([pool, shared_chat_negatives(model, tokenizer, layer, path, corpus, cfg)])
     return pool
+
+
+def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig
+                          ) -> torch.Tensor:
+    """The requests and locality prompts of the first ``negatives_chat_pool`` corpus records asked
+    through the chat template, with the unedited model's answers: states at every position after the
+    template's shared header (that header once): where a chat-form anchor's neighbours lie."""
+    def compute() -> torch.Tensor:
+        texts = list(dict.fromkeys(t for it in corpus.items[: cfg.negatives_chat_pool] for t in (it.request, it.locality)))
+        seqs = continued(model, tokenizer, [chat_prompt(tokenizer, t) for t in texts], cfg.negative_continuation_tokens,
+                         cfg.batch_size, "stage 3: answers of chat negatives")
+        head = chat_header_length(tokenizer)
+        positions = [range(0 if k == 0 else head, len(q)) for k, q in enumerate(seqs)]
+        return collect_states(model, tokenizer, seqs, layer, positions, cfg.batch_size,
+                              "stage 3: chat negatives").states
+
+    name = f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negative_continuation_tokens}-{chat_template_key(tokenizer)}"
+    return _cached_states(path / f"{name}.safetensors", compute)
 
 
 def not_anchors(states: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -223,6 +255,7 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
     """The token sequences made for each edit, the positions of each whose states are negatives,
     and the slot each belongs to."""
     stream = _Stream(slots, corpus, cfg.seed)
+    chat_head = chat_header_length(tokenizer) if cfg.positives_chat and cfg.negatives_chat_own > 0 else 0
     spec_seqs, spec_pos, spec_owner = [], [], []
     for i, s in enumerate(slots):
         own_prefix = list(range(len(seqs.prompts[i]) - 1))
@@ -230,10 +263,16 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
             spec_seqs.append(seqs.prompts[i])
             spec_pos.append(own_prefix)
             spec_owner.append(i)
-        for t in _edit_negative_texts(s, corpus, stream, cfg, rng):
+        texts = _edit_negative_texts(s, corpus, stream, cfg, rng)
+        for t in texts:
             ids = encode_prompt(tokenizer, t)
             spec_seqs.append(ids)
             spec_pos.append(list(range(len(ids))))
+            spec_owner.append(i)
+        for t in texts[: cfg.negatives_chat_own] if cfg.positives_chat else []:
+            ids = chat_prompt(tokenizer, t)  # the template's header is in the shared chat pool
+            spec_seqs.append(ids)
+            spec_pos.append(list(range(chat_head, len(ids))))
             spec_owner.append(i)
     return spec_seqs, spec_pos, spec_owner
 

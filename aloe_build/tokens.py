@@ -54,6 +54,26 @@ def chat_prompt(tokenizer, question: str, system: str | None = None) -> list[int
     return encode_prompt(tokenizer, text, special=False)
 
 
+def chat_header_length(tokenizer, system: str | None = None) -> int:
+    """How many tokens every chat prompt starts with (the template's system turn and the opening of
+    the user turn): their states are the same whatever the question. Counted as the tokens of the
+    text before the question that a chat prompt starts with (a token merged across the boundary is
+    not counted)."""
+    mark = "\x00"
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": mark}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    head = encode_prompt(tokenizer, text[: text.index(mark)], special=False)
+    full = chat_prompt(tokenizer, "Question", system)
+    return next((k for k, (x, y) in enumerate(zip(head, full)) if x != y), min(len(head), len(full)))
+
+
+def chat_template_key(tokenizer) -> str:
+    """A short hash of the tokenizer's chat template (what chat-form states depend on besides the weights)."""
+    import hashlib
+
+    return hashlib.sha256(str(getattr(tokenizer, "chat_template", "")).encode()).hexdigest()[:12]
+
+
 def chat_answer(tokenizer, text: str) -> list[int]:
     """Token ids of ``text`` as the start of an assistant turn (no leading space)."""
     ids = encode_prompt(tokenizer, text.strip(), special=False)

@@ -46,23 +46,32 @@ def _stop_ids(tokenizer) -> set[int]:
     return {t for t in (*stops, end_turn) if t is not None}
 
 
+def chat_answers(model, tokenizer, questions: Sequence[str], system: str | None = None, *,
+                 tokens: int = CHAT_TOKENS, batch_size: int = 32, progress: bool = False,
+                 desc: str = "chat answers") -> list[list[int]]:
+    """Greedy answers (token ids, cut after the end of turn) of ``questions`` asked as the user
+    turn of the model's chat template, after ``system`` (None: the template's default)."""
+    prompts = [chat_prompt(tokenizer, q, system) for q in questions]
+    stops = _stop_ids(tokenizer)
+    gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size,
+                           progress=progress, desc=desc)
+    return [_until_end(g, stops) for g in gens]
+
+
 def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *, batch_size: int = 32,
                     progress: bool = True, systems: dict[str, str | None] | None = None,
                     tokens: int = CHAT_TOKENS) -> dict[str, Any]:
     """Score ``editor`` on ``requests`` in chat form, once per system prompt (see the module doc)."""
     systems = SYSTEMS if systems is None else systems
-    pid = pad_id(tokenizer)
-    stops = _stop_ids(tokenizer)
     out: dict[str, Any] = {"tokens": tokens, "edits": len(requests)}
     for name, system in systems.items():
-        asks = [chat_prompt(tokenizer, r.prompt, system) for r in requests]
+        asks = [r.prompt for r in requests]
         loc_owner = [i for i, r in enumerate(requests) for _ in r.locality]
-        locs = [chat_prompt(tokenizer, lp.prompt, system) for r in requests for lp in r.locality]
+        locs = [lp.prompt for r in requests for lp in r.locality]
 
-        def answers(desc: str, prompts=asks) -> list[list[int]]:
-            gens = greedy_generate(model, prompts, tokens, pad_id=pid, batch_size=batch_size, progress=progress,
-                                   desc=f"chat ({name}): {desc}")
-            return [_until_end(g, stops) for g in gens]
+        def answers(desc: str, questions=asks) -> list[list[int]]:
+            return chat_answers(model, tokenizer, questions, system, tokens=tokens, batch_size=batch_size,
+                                progress=progress, desc=f"chat ({name}): {desc}")
 
         base_ask, base_loc = answers("unedited requests"), answers("unedited locality", locs)
         editor.attach(model)

@@ -277,6 +277,52 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
             assert not _rows_contain(roll["anchors"][roll["anchor_owner"] != i], h)
 
 
+def test_chat_positives_bring_chat_form_negatives(tmp_path):
+    """With ``positives_chat``: (a) corpus requests asked through the chat template are shared
+    negatives (their last prompt position included); (b) each edit's first ``negatives_chat_own``
+    own negative prompts are asked the same way, negatives of its slot at every position after the
+    template's header. Without it, neither."""
+    import random
+
+    from safetensors.torch import load_file
+
+    from aloe_build.corpus import load_corpus
+    from aloe_build.rollouts import edit_negative_sequences, token_sequences
+    from aloe_build.slots import make_slots
+    from aloe_build.states import collect_states
+    from aloe_build.tokens import chat_header_length, chat_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+                         "{% if add_generation_prompt %}assistant : {% endif %}")
+    head = chat_header_length(tok)
+    assert head == len(tok("user :", add_special_tokens=False)["input_ids"])
+    edits = _edits()[:3]
+    plain_cfg = _tiny_cfg(tmp_path, positives_prefixed=0)
+    corpus, _ = load_corpus(plain_cfg.encoder_corpus, plain_cfg.encoder_records, plain_cfg.encoder_same_subject,
+                            plain_cfg.seed)
+    asked = [chat_prompt(tok, it.request) for it in corpus.items[:4]]
+    asked_states = collect_states(model, tok, asked, 1, [[len(q) - 1] for q in asked]).states
+    for chat in (True, False):
+        cfg = _tiny_cfg(tmp_path, positives_chat=chat, positives_prefixed=0, negatives_chat_own=2)
+        build_operator(model, tok, edits, cfg, out_dir=tmp_path / f"c{chat}", log=None)
+        roll = load_file(str(tmp_path / f"c{chat}" / "checkpoints" / "3_rollouts.safetensors"))
+        assert _rows_contain(roll["pool"], asked_states) == chat
+
+    slots = make_slots(edits)
+    seqs = token_sequences(tok, slots, corpus, plain_cfg)
+    plain = edit_negative_sequences(tok, slots, seqs, corpus, plain_cfg, random.Random(0))
+    chat_cfg = _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0, negatives_chat_own=2)
+    with_chat = edit_negative_sequences(tok, slots, seqs, corpus, chat_cfg, random.Random(0))
+    for i in range(len(slots)):
+        own = [(q, p) for q, p, o in zip(*plain) if o == i]
+        both = [(q, p) for q, p, o in zip(*with_chat) if o == i]
+        texts = own[1:] if own[0][0] == seqs.prompts[i] else own  # the request's own prefix comes first
+        assert both[: len(own)] == own and len(both) == len(own) + min(2, len(texts))
+        for (q, p), (text, _) in zip(both[len(own):], texts):
+            assert q[head: head + len(text)] == text and list(p) == list(range(head, len(q)))
+
+
 def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
     """Same-relation positives: the write stages train on exactly the rewordings whose own gate is
     at least 0.5 at their last prompt token (their first anchor), scored with the built operator."""
