@@ -3,7 +3,8 @@
 Loads SmolLM2-135M-Instruct, builds an operator for the bundled
 counterfactual facts, then prints the model's answers before and after the
 edit for the edited requests, the same requests after an unrelated sentence,
-their paraphrases and unrelated controls, and
+their paraphrases, the requests asked through the model's chat template (as a
+served chat model is asked) and unrelated controls, plain and in chat, and
 finally shows that removing the operator restores the original model.
 """
 
@@ -20,7 +21,9 @@ from .options import add_device_args
 DEMO_EDITS = Path(__file__).resolve().parents[1] / "examples" / "demo_edits.jsonl"
 # A lighter encoder than the default so that the first run (which trains and caches the
 # encoder for the model's layer) takes minutes on two CPU cores.
-DEMO_CONFIG_FIELDS = dict(encoder_records=1500, encoder_steps=600, refine_steps=1000, finetune_steps=50)
+# Chat positives: the demo also asks each request through the chat template.
+DEMO_CONFIG_FIELDS = dict(encoder_records=1500, encoder_steps=600, refine_steps=1000, finetune_steps=50,
+                          positives_chat=True)
 
 
 def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 6, batch_size: int = 16) -> list[str]:
@@ -39,10 +42,18 @@ def hits(text: str, target: str) -> bool:
     return text.strip().lower().startswith(target.strip().lower())
 
 
+def chat_texts(model, tokenizer, questions: Sequence[str]) -> list[str]:
+    """Answers to ``questions`` asked through the chat template (default system prompt), decoded."""
+    from aloe_eval.chat import chat_answers
+
+    return [tokenizer.decode(a, skip_special_tokens=True) for a in chat_answers(model, tokenizer, questions)]
+
+
 def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit: int | None = None,
              device: str | None = None, dtype: str | None = None) -> dict:
     """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
+    from aloe_eval.chat import contains_target
     from aloe_eval.in_context import in_context
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
@@ -55,13 +66,17 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
     in_ctx = [in_context(r.prompt, 1, i)[0] for i, r in enumerate(requests)]
     rephrases = [r.rephrases[0] for r in requests if r.rephrases]
     controls = [r.locality[0].prompt for r in requests if r.locality]
-    before = [greedy(model, tokenizer, p) for p in (prompts, in_ctx, rephrases, controls)]
+    def answers() -> list[list[str]]:
+        plain = [greedy(model, tokenizer, p) for p in (prompts, in_ctx, rephrases, controls)]
+        return plain + [chat_texts(model, tokenizer, p) for p in (prompts, controls)]
+
+    before = answers()
     print(f"building an operator for {len(requests)} edits into {out_dir} ...")
     op = build_operator(model, tokenizer, requests, config, out_dir=out_dir)
     op.save(out_dir)
     op = AloeOperator.load(out_dir)  # serve what was written, as a user would
     apply_aloe(model, op)
-    after = [greedy(model, tokenizer, p) for p in (prompts, in_ctx, rephrases, controls)]
+    after = answers()
     remove_aloe(model)
     restored = greedy(model, tokenizer, controls)
 
@@ -74,16 +89,24 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
         for t, r, x, y in zip(texts, reqs, b, a):
             print(f"{t!r}\n    before: {x.strip()!r}\n    after:  {y.strip()!r}   (target {r.target_new!r})")
         scores[kind] = sum(hits(y, r.target_new) for y, r in zip(a, reqs)) / max(1, len(reqs))
-    print("\n== unrelated controls (should not change) ==")
-    for t, x, y in zip(controls, before[3], after[3]):
-        print(f"{t!r}\n    before: {x.strip()!r}\n    after:  {y.strip()!r}{'' if x == y else '   <- changed'}")
+    print("\n== requests asked in chat (the model's chat template, its default system prompt) ==")
+    for t, r, x, y in zip(prompts, requests, before[4], after[4]):
+        print(f"{t!r}\n    before: {x.strip()!r}\n    after:  {y.strip()!r}   (target {r.target_new!r})")
+    scores["chat"] = sum(contains_target(y, r.target_new) for y, r in zip(after[4], requests)) / max(1, len(requests))
+    for kind, b, a in (("unrelated controls", before[3], after[3]), ("unrelated controls in chat", before[5], after[5])):
+        print(f"\n== {kind} (should not change) ==")
+        for t, x, y in zip(controls, b, a):
+            print(f"{t!r}\n    before: {x.strip()!r}\n    after:  {y.strip()!r}{'' if x == y else '   <- changed'}")
     scores["control_unchanged"] = sum(x == y for x, y in zip(before[3], after[3])) / max(1, len(controls))
+    scores["chat_control_unchanged"] = sum(x == y for x, y in zip(before[5], after[5])) / max(1, len(controls))
     scores["restored_after_remove"] = float(restored == before[3])
     print(
         f"\nedited requests that now give the target: {scores['request']:.0%}\n"
         f"the same after an unrelated sentence:      {scores['in-context request']:.0%}\n"
         f"paraphrases that give the target:          {scores['paraphrase']:.0%}\n"
+        f"chat answers that contain the target:      {scores['chat']:.0%}\n"
         f"unrelated controls unchanged:              {scores['control_unchanged']:.0%}\n"
+        f"unrelated controls unchanged in chat:      {scores['chat_control_unchanged']:.0%}\n"
         f"outputs restored by remove_aloe:           {'yes' if scores['restored_after_remove'] else 'no'}\n"
         f"operator: {out_dir} ({op.n} edits; inspect with `aloe inspect {out_dir}`)"
     )
