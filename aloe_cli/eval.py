@@ -16,6 +16,7 @@ from aloe_build.models import resolve_dtype
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
 from aloe_eval.chat import chat_evaluation, chat_markdown
+from aloe_eval.chunks import ChunkStore
 from aloe_kernels import AloeOperator
 from aloe_kernels.errors import AloeError
 
@@ -59,6 +60,9 @@ def _command(args: argparse.Namespace) -> str:
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
     return shlex.join(parts)
+
+
+PARTS_DIR = "parts"  # chunks of a running evaluation, under its output directory
 
 
 def _default_out(args: argparse.Namespace) -> Path:
@@ -127,11 +131,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             return 0
     try:
         report = evaluate(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
-                          baseline=baselines, layer=args.layer, grace_config=grace_cfg, meta=meta)
+                          baseline=baselines, layer=args.layer, grace_config=grace_cfg, meta=meta,
+                          chunk_edits=args.chunk_edits, parts_dir=out / PARTS_DIR)
     except AloeError as exc:
         print(f"aloe eval: error: {exc}", file=sys.stderr)
         return 2
     paths = report.save(out, plots=not args.no_plots)
+    ChunkStore(out / PARTS_DIR).clear()  # the report holds everything the chunks did
     print(report.to_markdown().split("## Definitions")[0].rstrip())
     print()
     for k, p in paths.items():
@@ -191,6 +197,9 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--layer", type=int, default=None,
                    help="edited layer for baselines (default: the operator's layer, else the model's default)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (default 32)")
+    p.add_argument("--chunk-edits", type=int, default=500, metavar="N",
+                   help="score N edits at a time, each chunk saved under OUT/parts as it finishes, so that an "
+                   "interrupted run resumes there (default 500; the numbers do not depend on it)")
     p.add_argument("--grace-eps", type=float, default=None, help="GRACE initial deferral radius (default 1.0)")
     p.add_argument("--grace-iters", type=int, default=None, help="GRACE value-training iterations (default 100)")
     p.add_argument("--no-check-fingerprint", action="store_true",

@@ -70,8 +70,9 @@ class Registry:
         return j
 
 
-def plan(tokenizer, requests: Sequence[Any]) -> tuple[Registry, list[EditPlan]]:
-    """Register every sequence the requests need; returns the registry and one plan per edit."""
+def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, list[EditPlan]]:
+    """Register every sequence the requests need; returns the registry and one plan per edit
+    (indexed from ``start``: their positions in the whole stream when this is a chunk of it)."""
     reg = Registry()
     plans = []
     for i, r in enumerate(requests):
@@ -99,5 +100,5 @@ def plan(tokenizer, requests: Sequence[Any]) -> tuple[Registry, list[EditPlan]]:
             enc = [encode_continuation(tokenizer, pp.prompt, a) for a in pp.ground_truth]
             seq_p = reg.add(*enc[0])
             port.append(Portability(pp.prompt, pp.kind, tuple(pp.ground_truth), seq_p, tuple(e[1] for e in enc)))
-        plans.append(EditPlan(i, r, seq, reph, loc, port))
+        plans.append(EditPlan(start + i, r, seq, reph, loc, port))
     return reg, plans

@@ -83,7 +83,9 @@ Entry points: :func:`evaluate` (API) and ``aloe eval``.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
+import sys
 import time
 from typing import Any, Mapping, Sequence
 
@@ -95,6 +97,7 @@ from aloe_build.models import default_layer, model_name
 from aloe_build.tokens import pad_id as tokenizer_pad_id
 from aloe_kernels.hf import find_aloe_modules
 
+from .chunks import ChunkStore, chunk_bounds, chunk_key, merge_results
 from .definitions import LOCALITY_DEFAULT_TOKENS, LOCALITY_MAX_TOKENS, PORTABILITY_MAX_TOKENS
 from .editors import AloeEditor, Editor, UneditedEditor, as_editor
 from .plan import plan
@@ -115,6 +118,8 @@ def evaluate(
     open_threshold: float = 0.5,
     grace_config: Any = None,
     meta: Mapping[str, Any] | None = None,
+    chunk_edits: int | None = None,
+    parts_dir: str | os.PathLike | None = None,
 ) -> EvalReport:
     """Score editors on one model and one edit stream; returns an :class:`EvalReport`.
 
@@ -136,6 +141,10 @@ def evaluate(
         open_threshold: a gate counts as open at or above this value.
         grace_config: an ``aloe_eval.baselines.grace.GraceConfig`` for ``"grace"``.
         meta: extra metadata for the report (data file, its hash, command).
+        chunk_edits: score the stream this many edits at a time (None: in one pass); the
+            numbers are the same (see :mod:`aloe_eval.chunks`).
+        parts_dir: where each chunk's results are saved as it finishes; an evaluation that
+            finds a chunk there with the same edits, editors and settings reads it back.
 
     Each editor is patched in, scored, and removed again; the model is left
     as it came. The unedited model's locality generations are computed once
@@ -156,21 +165,53 @@ def evaluate(
     editors = _editors(model, tokenizer, requests, primary, baseline, layer, grace_config, batch_size, progress,
                        timings)
     names = [e.name for e in editors]
-    pad = tokenizer_pad_id(tokenizer)
-    reg, plans = plan(tokenizer, requests)
-    ref = build_reference(model, reg, plans, pad_id=pad, batch_size=batch_size, progress=progress, timings=timings)
-    results: dict[str, EditorResult] = {}
-    for ed in editors:
-        results[ed.name] = score_editor(model, tokenizer, ed, reg, plans, ref, pad_id=pad, batch_size=batch_size,
-                                        progress=progress, open_threshold=open_threshold)
+    context = {"editors": names, "layer": layer, "open_threshold": open_threshold, "grace": repr(grace_config),
+               "operator": primary.op.fingerprint() if isinstance(primary, AloeEditor) else None,
+               "dtype": str(next(model.parameters()).dtype)}
+    results, sequences, chunks = _score_in_chunks(model, tokenizer, requests, editors, context, chunk_edits, parts_dir,
+                                                  batch_size=batch_size, progress=progress,
+                                                  open_threshold=open_threshold, timings=timings)
     timings["total_s"] = time.perf_counter() - t_start
-    m = _meta(model, layer, len(requests), names, batch_size, open_threshold, timings, len(reg.seqs))
+    m = _meta(model, layer, len(requests), names, batch_size, open_threshold, timings, sequences)
+    if chunks > 1:
+        m["settings"]["chunk_edits"] = chunk_edits
     if isinstance(primary, AloeEditor):
         m["operator_hash"] = primary.op.fingerprint()
         m["operator_n"] = primary.op.n
     if meta:
         m.update(dict(meta))
     return EvalReport(jsonable(m), results, names[0])
+
+
+def _score_in_chunks(model, tokenizer, requests: list, editors: list[Editor], context: dict[str, Any],
+                     chunk_edits: int | None, parts_dir, *, batch_size: int, progress: bool, open_threshold: float,
+                     timings: dict[str, float]) -> tuple[dict[str, EditorResult], int, int]:
+    """Every editor scored on the stream, ``chunk_edits`` edits at a time, each chunk read back
+    from or saved to ``parts_dir``; returns the merged results, the sequences scored in this call
+    and the number of chunks."""
+    pad = tokenizer_pad_id(tokenizer)
+    store = ChunkStore(parts_dir) if parts_dir is not None else None
+    bounds = chunk_bounds(len(requests), chunk_edits)
+    pieces: list[dict[str, EditorResult]] = []
+    sequences = 0
+    for k, (lo, hi) in enumerate(bounds):
+        key = chunk_key(requests[lo:hi], lo, context)
+        piece = store.get(k, key) if store is not None else None
+        if piece is None:
+            if progress and len(bounds) > 1:
+                print(f"evaluation: chunk {k + 1}/{len(bounds)} (edits {lo}-{hi - 1})", file=sys.stderr)
+            reg, plans = plan(tokenizer, requests[lo:hi], start=lo)
+            ref = build_reference(model, reg, plans, pad_id=pad, batch_size=batch_size, progress=progress,
+                                  timings=timings)
+            piece = {ed.name: score_editor(model, tokenizer, ed, reg, plans, ref, pad_id=pad, batch_size=batch_size,
+                                           progress=progress, open_threshold=open_threshold) for ed in editors}
+            sequences += len(reg.seqs)
+            if store is not None:
+                store.put(k, key, piece)
+        pieces.append(piece)
+    results = {ed.name: merge_results([p[ed.name] for p in pieces], slots=ed.has_slots, open_threshold=open_threshold)
+               for ed in editors}
+    return results, sequences, len(bounds)
 
 
 def _editors(model, tokenizer, requests: list, primary: Editor | None, baseline, layer: int, grace_config: Any,

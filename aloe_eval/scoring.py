@@ -7,7 +7,6 @@ computed once (:func:`build_reference`) and shared by every editor.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from typing import Any, Sequence
 
 import torch
@@ -19,7 +18,7 @@ from .editors import Editor, UneditedEditor
 from .metrics import exact_match, mean, relative_drift, token_accuracy
 from .plan import EditPlan, Registry
 from .report import EditorResult
-from .summary import heatmap, pca, summarize
+from .summary import gate_plot_data, heatmap, pca, summarize
 
 
 class Reference:
@@ -55,7 +54,7 @@ def build_reference(model, reg: Registry, plans: list[EditPlan], *, pad_id: int,
                          hidden=[reg.want_hidden[j] for j in need], progress=progress,
                          desc="unedited: locality reference")
     ref.cache.update(zip(need, res))
-    timings["reference_s"] = time.perf_counter() - t0
+    timings["reference_s"] = timings.get("reference_s", 0.0) + time.perf_counter() - t0
     return ref
 
 
@@ -71,14 +70,11 @@ def score_editor(model, tokenizer, editor: Editor, reg: Registry, plans: list[Ed
     finally:
         editor.detach(model)
     rows = [scorer.row(p) for p in plans]
-    summary = summarize(rows, slots=scorer.slots, open_threshold=open_threshold, req_gates=scorer.req_gates,
-                        reph_gates=scorer.reph_gates, loc_max=scorer.loc_max, dominates=scorer.dominates,
-                        reph_dominates=scorer.reph_dominates, fail=scorer.fail, drifts=scorer.drifts,
-                        agree=scorer.agree)
+    summary = summarize(rows, slots=scorer.slots, open_threshold=open_threshold)
     plots: dict[str, Any] = {}
     if scorer.slots:
         plots["heatmap"] = heatmap(editor, plans, scorer.tf, heatmap_size)
-        plots["gates"] = {"request": scorer.req_gates, "rephrase": scorer.reph_gates, "locality_max": scorer.loc_max}
+        plots["gates"] = gate_plot_data(rows)
     if scorer.pca_pairs and not scorer.unedited:
         plots["pca"] = pca(scorer.pca_pairs)
     scorer.timings["total_s"] = time.perf_counter() - t0
@@ -99,14 +95,6 @@ class _Scorer:
         self.timings: dict[str, float] = {}
         self.tf: dict[int, TFResult] = {}
         self.generated: dict[tuple[tuple[int, ...], int], list[int]] = {}
-        self.req_gates: list[float] = []
-        self.reph_gates: list[float] = []
-        self.loc_max: list[float] = []
-        self.dominates: list[bool] = []
-        self.reph_dominates: list[bool] = []
-        self.fail: dict[str, defaultdict] = {"efficacy": defaultdict(int), "generalization": defaultdict(int)}
-        self.drifts: list[float] = []
-        self.agree: list[bool] = []
         self.pca_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.seen_loc: set[int] = set()
 
@@ -159,8 +147,8 @@ class _Scorer:
 
     # -- rows ---------------------------------------------------------------------------------
 
-    def slot_diag(self, j: int, slot: int | None, hit: bool, bucket: str) -> dict[str, Any]:
-        """Gate diagnostics of sequence j for the edit's own slot; counts a miss as an address or write failure."""
+    def slot_diag(self, j: int, slot: int | None, hit: bool) -> dict[str, Any]:
+        """Gate diagnostics of sequence j for the edit's own slot; a miss is an address or write failure."""
         if not self.slots:
             return {}
         r = self.tf[j]
@@ -170,7 +158,6 @@ class _Scorer:
         failure = None
         if not hit:
             failure = "unmapped" if slot is None else ("write" if g >= self.open_threshold else "address")
-            self.fail[bucket][failure] += 1
         return {"gate": g, "top_slot": top_slot, "top_gate": top_gate, "dominates": dom, "failure": failure,
                 "open_slots": int(r.gate_idx.numel()) if r.gate_idx is not None else 0}
 
@@ -191,10 +178,8 @@ class _Scorer:
             "target_nll": self.tf[p.seq].nll,
         }
         if self.slots:
-            d = self.slot_diag(p.seq, slot, eff, "efficacy")
+            d = self.slot_diag(p.seq, slot, eff)
             row.update({f"request_{k}": v for k, v in d.items()})
-            self.req_gates.append(d["gate"])
-            self.dominates.append(d["dominates"])
         reph_rows = [self.rephrase_row(rp, r.target_new, slot) for rp in p.rephrases]
         row["generalization"] = mean(x["em"] for x in reph_rows)
         row["rephrase_acc"] = mean(x["tf_acc"] for x in reph_rows)
@@ -215,10 +200,8 @@ class _Scorer:
         rr = {"prompt": rp.prompt, "em": float(em), "generation": text,
               "tf_acc": token_accuracy(self.tf[rp.seq].preds, self.reg.seqs[rp.seq][1])}
         if self.slots:
-            d = self.slot_diag(rp.seq, slot, em, "generalization")
+            d = self.slot_diag(rp.seq, slot, em)
             rr.update(d)
-            self.reph_gates.append(d["gate"])
-            self.reph_dominates.append(d["dominates"])
         return rr
 
     def locality_row(self, lp) -> dict[str, Any]:
@@ -239,15 +222,9 @@ class _Scorer:
         if self.slots:
             lr["max_gate"] = ed_r.prompt_max_gate
             lr["max_slot"] = ed_r.prompt_max_slot
-        if j not in self.seen_loc:  # distribution statistics over unique locality prompts
-            self.seen_loc.add(j)
-            self.agree.append(bool(lr["next_token_agree"]))
-            if "drift" in lr:
-                self.drifts.append(lr["drift"])
-                if len(self.pca_pairs) < self.pca_points:
-                    self.pca_pairs.append((ref_r.hidden, ed_r.hidden))
-            if self.slots:
-                self.loc_max.append(ed_r.prompt_max_gate or 0.0)
+        if j not in self.seen_loc and "drift" in lr and len(self.pca_pairs) < self.pca_points:
+            self.seen_loc.add(j)  # the PCA plot shows unique locality prompts
+            self.pca_pairs.append((ref_r.hidden, ed_r.hidden))
         return lr
 
     def portability_row(self, pp) -> dict[str, Any]:

@@ -26,9 +26,52 @@ def _macro_by_kind(rows: list[dict], list_key: str, value_key: str) -> dict[str,
     return {k: sum(v) / len(v) for k, v in sorted(per_kind.items())}
 
 
-def summarize(rows, *, slots, open_threshold, req_gates, reph_gates, loc_max, dominates, reph_dominates, fail,
-               drifts, agree) -> dict[str, Any]:
+def row_statistics(rows: list[dict], slots: bool) -> dict[str, Any]:
+    """The per-prompt statistics the summary and the gate plots are made of, read off the rows:
+    matched gates and dominance of requests and rephrases, address/write failure counts, and over
+    the unique locality prompts (same prompt, same number of tokens) their max gate, drift and
+    next-token agreement. Rows of separately scored chunks of a stream give the same numbers as
+    the rows of one pass."""
+    st: dict[str, Any] = {"req_gates": [], "dominates": [], "reph_gates": [], "reph_dominates": [], "loc_max": [],
+                          "drifts": [], "agree": [],
+                          "fail": {"efficacy": defaultdict(int), "generalization": defaultdict(int)}}
+    seen: set[tuple[str, int]] = set()
+    for r in rows:
+        if slots:
+            st["req_gates"].append(r["request_gate"])
+            st["dominates"].append(r["request_dominates"])
+            if r["request_failure"] is not None:
+                st["fail"]["efficacy"][r["request_failure"]] += 1
+            for x in r["rephrases"]:
+                st["reph_gates"].append(x["gate"])
+                st["reph_dominates"].append(x["dominates"])
+                if x["failure"] is not None:
+                    st["fail"]["generalization"][x["failure"]] += 1
+        for lr in r["locality_prompts"]:
+            key = (lr["prompt"], lr["k"])
+            if key in seen:
+                continue
+            seen.add(key)
+            st["agree"].append(bool(lr["next_token_agree"]))
+            if "drift" in lr:
+                st["drifts"].append(lr["drift"])
+            if slots:
+                st["loc_max"].append(lr["max_gate"] or 0.0)
+    return st
+
+
+def gate_plot_data(rows: list[dict]) -> dict[str, list[float]]:
+    """The gates the plots show: matched gates of requests and rephrases, locality max gates."""
+    st = row_statistics(rows, True)
+    return {"request": st["req_gates"], "rephrase": st["reph_gates"], "locality_max": st["loc_max"]}
+
+
+def summarize(rows: list[dict], *, slots: bool, open_threshold: float) -> dict[str, Any]:
     """The summary of one editor: counts, paper metrics, EasyEdit metrics, locality states, diagnostics."""
+    st = row_statistics(rows, slots)
+    req_gates, reph_gates, loc_max = st["req_gates"], st["reph_gates"], st["loc_max"]
+    dominates, reph_dominates, fail = st["dominates"], st["reph_dominates"], st["fail"]
+    drifts, agree = st["drifts"], st["agree"]
     n_reph = sum(len(r["rephrases"]) for r in rows)
     n_loc = sum(len(r["locality_prompts"]) for r in rows)
     n_port = sum(len(r["portability_prompts"]) for r in rows)
