@@ -140,39 +140,45 @@ def refine_addresses(
     weighted by ``refine_soft_weight`` and averaged, that turns the address towards it during the
     first two thirds of the steps; the last third restores the required anchors' margin."""
     soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
-    hard_a, hard_own = anchors[~soft], anchor_owner[~soft]
-    soft_a, soft_own = anchors[soft], anchor_owner[soft]
+    n = V0.shape[0]
     norms = V0.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    soft_phase = bool(soft_own.numel()) and cfg.refine_soft_weight > 0
+    soft_phase = bool(soft.any()) and cfg.refine_soft_weight > 0
     soft_steps = (2 * cfg.refine_steps) // 3
     V = V0.clone().requires_grad_(True)
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0)
     margin = cfg.refine_margin * norms.squeeze(1)
     losses: list[float] = []
-    hard_h = None
+    hard_h, terms = None, None
     bar = tqdm(range(cfg.refine_steps), desc="stage 4: address refinement", leave=False)
     for step in bar:
         # the last third runs on the required anchors alone, from freshly mined negatives: it
         # restores the request's margin wherever the pull towards the paraphrases cost it
         soft_now = soft_phase and step < soft_steps
-        if hard_h is None or step % cfg.refine_remine_every == 0 or (soft_phase and step == soft_steps):
+        boundary = soft_phase and step == soft_steps
+        if hard_h is None or step % cfg.refine_remine_every == 0 or boundary:
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
-        pos = min_anchor_scores(V, hard_a, hard_own)
-        neg = _hardest_negative(V, hard_h)
-        hinge = F.relu(margin - pos + neg)
-        loss = (hinge**2).mean()
-        if soft_now:
-            s_soft = (V[soft_own] * soft_a).sum(-1)
-            soft_hinge = F.relu(margin[soft_own] - s_soft + neg[soft_own])
-            loss = loss + cfg.refine_soft_weight * (soft_hinge**2).mean()
+            terms = None
+        if terms is None or boundary or (cfg.refine_active_every > 0 and step % cfg.refine_active_every == 0):
+            everything = torch.ones(n, dtype=torch.bool, device=V.device)
+            terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, everything, soft_now)
+            if cfg.refine_active_every > 0:
+                with torch.no_grad():
+                    active = terms.violating(V)
+                terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, active, soft_now)
+                _stop_coasting(opt, V, active)
+        loss = terms.loss(V, cfg.refine_soft_weight)
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
         losses.append(float(loss.detach()))
         if losses[-1] == 0.0 and step % cfg.refine_remine_every != 0:
             # every slot clears its margin against the mined negatives: re-mine to confirm
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
-            if float(F.relu(margin - pos + _hardest_negative(V.detach(), hard_h)).detach().max()) == 0.0:
+            check = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, torch.ones(n, dtype=torch.bool,
+                                device=V.device), False)
+            if float(check.loss(V.detach(), 0.0)) == 0.0:
                 break
+            terms = None
+            continue
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -181,6 +187,58 @@ def refine_addresses(
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
     return V.detach(), losses
+
+
+class _HingeTerms:
+    """The refinement loss restricted to the slots in ``active`` (paper Eq. 5: each slot's squared
+    hinge between its worst required anchor and its hardest mined negative; with ``soft_now``, each
+    soft anchor's own hinge). Normalised by the whole stream's counts, so that it equals the full
+    loss whenever the slots left out meet their margins."""
+
+    def __init__(self, anchors, anchor_owner, soft, hard_h, margin, active, soft_now: bool):
+        n = active.shape[0]
+        self.n, self.n_soft = n, max(int(soft.sum()), 1)
+        self.idx = active.nonzero().squeeze(1)
+        remap = torch.full((n,), -1, dtype=torch.long, device=active.device)
+        remap[self.idx] = torch.arange(self.idx.numel(), device=active.device)
+        hard = ~soft & active[anchor_owner]
+        self.hard_a, self.hard_own = anchors[hard], remap[anchor_owner[hard]]
+        self.soft_now = soft_now
+        keep_soft = soft & active[anchor_owner] if soft_now else torch.zeros_like(soft)
+        self.soft_a, self.soft_own = anchors[keep_soft], remap[anchor_owner[keep_soft]]
+        self.hard_h, self.margin = hard_h[self.idx], margin[self.idx]
+
+    def _hinges(self, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        Va = V[self.idx]
+        neg = _hardest_negative(Va, self.hard_h)
+        hinge = F.relu(self.margin - min_anchor_scores(Va, self.hard_a, self.hard_own) + neg)
+        s_soft = (Va[self.soft_own] * self.soft_a).sum(-1)
+        soft_hinge = F.relu(self.margin[self.soft_own] - s_soft + neg[self.soft_own])
+        return hinge, soft_hinge
+
+    def loss(self, V: torch.Tensor, soft_weight: float) -> torch.Tensor:
+        hinge, soft_hinge = self._hinges(V)
+        loss = (hinge**2).sum() / self.n
+        if self.soft_now:
+            loss = loss + soft_weight * (soft_hinge**2).sum() / self.n_soft
+        return loss
+
+    def violating(self, V: torch.Tensor) -> torch.Tensor:
+        """Which slots (of the whole stream) have a hinge, required or soft, above zero."""
+        hinge, soft_hinge = self._hinges(V)
+        out = torch.zeros(self.n, dtype=torch.bool, device=V.device)
+        out[self.idx[hinge > 0]] = True
+        if self.soft_now:
+            out[self.idx[self.soft_own[soft_hinge > 0]]] = True
+        return out
+
+
+def _stop_coasting(opt: torch.optim.Optimizer, V: torch.Tensor, active: torch.Tensor) -> None:
+    """Zero Adam's running gradient of the slots left out, so that they stay where they are (a zero
+    gradient alone would let the momentum carry them on)."""
+    state = opt.state.get(V)
+    if state and "exp_avg" in state:
+        state["exp_avg"][~active] = 0
 
 
 @dataclass

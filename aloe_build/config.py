@@ -106,6 +106,10 @@ class BuildConfig:
     refine_margin: float = _at(4, 0.1)  # m_i as a fraction of |v_i|
     refine_hard_negatives: int = _at(4, 32)  # negatives per edit kept between re-minings
     refine_remine_every: int = _at(4, 250)
+    # Steps run on the slots whose hinge is not yet met, re-selected this often (and at every
+    # re-mining); a slot that meets its margin stays where it is until then (0: every slot, every
+    # step). The cost of a step then follows the slots still violating, not the stream's size.
+    refine_active_every: int = _at(4, 25)
     # weight of the paraphrase positives' own hinges (they stay out of the worst-anchor term, so
     # that a paraphrase the address cannot reach never makes its slot inseparable)
     refine_soft_weight: float = _at(4, 1.0)

@@ -68,6 +68,34 @@ def test_refinement_loss_falls_and_norms_kept():
     torch.testing.assert_close(V.norm(dim=1), V0.norm(dim=1), rtol=1e-4, atol=1e-5)
 
 
+def _hinges(V, anchors, owner, neg, same, cfg):
+    """Every slot's hinge against freshly mined negatives (the refinement's objective, full)."""
+    s, _ = neg.top(V, same, cfg.refine_hard_negatives)
+    pos = torch.full((V.shape[0],), math.inf).scatter_reduce(0, owner, (V[owner] * anchors).sum(-1), reduce="amin")
+    return torch.relu(cfg.refine_margin * V.norm(dim=1) - pos + s[:, 0])
+
+
+def test_refinement_on_the_violating_slots_only():
+    """refine_active_every > 0: the first loss is the full one, the slots still violating reach their
+    margins as with every slot in every step, and a slot that meets its margin from the start is
+    never moved."""
+    V0, anchors, owner, neg, same = _synthetic(n=10)
+    full_cfg = BuildConfig(refine_steps=400, refine_remine_every=50, refine_hard_negatives=8, refine_active_every=0)
+    V_full, loss_full = addr.refine_addresses(V0, anchors, owner, neg, same, full_cfg)
+    base = _hinges(V0, anchors, owner, neg, same, full_cfg)
+    centre = _unit(anchors[owner == 3].mean(0)) * V0[3].norm()
+    V0[3] = centre  # slot 3 starts at the mean of its anchors: margin met
+    assert _hinges(V0, anchors, owner, neg, same, full_cfg)[3] == 0 and (base > 0).sum() >= 5
+    cfg = BuildConfig(refine_steps=400, refine_remine_every=50, refine_hard_negatives=8, refine_active_every=5)
+    V_act, loss_act = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
+    V_full, loss_full = addr.refine_addresses(V0, anchors, owner, neg, same, full_cfg)
+    assert loss_act[0] == pytest.approx(loss_full[0], rel=1e-6)
+    torch.testing.assert_close(V_act[3], V0[3], rtol=0, atol=1e-6)
+    assert _hinges(V_act, anchors, owner, neg, same, cfg).max() <= _hinges(V_full, anchors, owner, neg, same,
+                                                                          cfg).max() + 1e-3
+    torch.testing.assert_close(V_act.norm(dim=1), V0.norm(dim=1), rtol=1e-4, atol=1e-5)
+
+
 def test_calibration_separable_slot_properties():
     V0, anchors, owner, neg, same = _synthetic()
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
