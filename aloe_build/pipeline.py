@@ -205,7 +205,7 @@ class _Build:
         roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, pool_dir,
                                                          self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
         soft = seqs.seq_soft[roll["anchor_seq"]]
-        negatives = _negative_set(roll, self.base.state.anchors if self.base else None)
+        negatives = negative_set(roll, self.base.state.anchors if self.base else None)
         same_prompt = torch.tensor([[a.prompt == b.prompt for b in self.slots] for a in self.slots])
         # (4) refinement
         V = self.stage("4_refine", lambda: self.refine(V0, roll, negatives, same_prompt, soft))["V"]
@@ -330,7 +330,7 @@ class _Build:
         return self.stage("8_finetune", finetune)["U"]
 
 
-def _negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None) -> addr.NegativeSet:
+def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None) -> addr.NegativeSet:
     """Anchors and request continuations are negatives of every slot but their own (and those of
     the same prompt, see NegativeSet.top); the corpus pool, and the anchors of the operator an
     append builds on, of every slot."""

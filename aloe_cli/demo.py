@@ -66,6 +66,7 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
     in_ctx = [in_context(r.prompt, 1, i)[0] for i, r in enumerate(requests)]
     rephrases = [r.rephrases[0] for r in requests if r.rephrases]
     controls = [r.locality[0].prompt for r in requests if r.locality]
+
     def answers() -> list[list[str]]:
         plain = [greedy(model, tokenizer, p) for p in (prompts, in_ctx, rephrases, controls)]
         return plain + [chat_texts(model, tokenizer, p) for p in (prompts, controls)]
