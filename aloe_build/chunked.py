@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from aloe_kernels.hf import locate_down_proj
 
 from .checkpoints import PartStore
-from .states import StateBatch, collect_states
+from .shared_prefix import collect_states_shared
+from .states import StateBatch
 
 #: Sequences per saved chunk: a few minutes of work on two CPU cores.
 CHUNK_SEQUENCES = 2048
@@ -47,19 +48,29 @@ def _pieces(parts: PartStore | None, name: str, n: int, desc: str,
 
 def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequences: Sequence[Sequence[int]],
                    layer: int, positions: Sequence[Sequence[int]] | None, batch_size: int, desc: str) -> StateBatch:
-    """:func:`aloe_build.states.collect_states` chunk by chunk, filling one preallocated result."""
+    """:func:`aloe_build.states.collect_states` chunk by chunk, filling one preallocated result.
+
+    The sequences are taken in sorted order, so that those with a common beginning fall in one
+    chunk and share its pass (:mod:`aloe_build.shared_prefix`)."""
     keep = [len(s) if positions is None else len(positions[i]) for i, s in enumerate(sequences)]
     offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(keep, dtype=torch.long), 0)
     states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
+    order = sorted(range(len(sequences)), key=lambda i: tuple(sequences[i]))
 
     def compute(lo: int, hi: int) -> dict[str, torch.Tensor]:
-        got = collect_states(model, tokenizer, sequences[lo:hi], layer,
-                             None if positions is None else positions[lo:hi], batch_size)
+        idx = order[lo:hi]
+        got = collect_states_shared(model, tokenizer, [sequences[i] for i in idx], layer,
+                                    None if positions is None else [positions[i] for i in idx], batch_size)
         return {"states": got.states}
 
-    for lo, hi, piece in _pieces(parts, name, len(sequences), desc, compute):
-        states[int(offsets[lo]): int(offsets[hi])] = piece["states"]
+    # the parts of the sorted order have their own name: chunks saved in another order are not read back
+    for lo, hi, piece in _pieces(parts, f"{name}-sorted", len(sequences), desc, compute):
+        at = 0
+        for i in order[lo:hi]:
+            rows = int(offsets[i + 1] - offsets[i])
+            states[int(offsets[i]): int(offsets[i + 1])] = piece["states"][at: at + rows]
+            at += rows
     return StateBatch(states, offsets)
 
 

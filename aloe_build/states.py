@@ -49,12 +49,14 @@ def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True) -> 
         handle.remove()
 
 
-def run_captured(model: nn.Module, box: dict, **inputs) -> torch.Tensor:
-    """Run the model until the capture hook fires; returns the captured (B, T, d) input."""
+def run_captured(model: nn.Module, box: dict, cache=None, **inputs) -> torch.Tensor:
+    """Run the model until the capture hook fires; returns the captured (B, T, d) input. With
+    ``cache`` (a transformers ``Cache``) the pass continues it and adds its keys and values to it,
+    up to the edited layer."""
     box.pop("h", None)
     try:
         with torch.no_grad():
-            model(**inputs, use_cache=False)
+            model(**inputs, past_key_values=cache, use_cache=cache is not None)
     except _StopForward:
         pass
     if "h" not in box:

@@ -39,8 +39,8 @@ def test_chunked_states_equal_one_pass(tmp_path, monkeypatch):
     want = collect_states(model, tok, seqs, 1, positions, 3)
     assert torch.equal(got.offsets, want.offsets)
     torch.testing.assert_close(got.states, want.states, rtol=1e-5, atol=1e-6)
-    assert sorted(p.name for p in tmp_path.glob("x-*.safetensors")) == ["x-0.safetensors", "x-1.safetensors",
-                                                                         "x-2.safetensors"]
+    assert sorted(p.name for p in tmp_path.glob("x-*.safetensors")) == [
+        "x-sorted-0.safetensors", "x-sorted-1.safetensors", "x-sorted-2.safetensors"]
 
 
 def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):
@@ -53,7 +53,7 @@ def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):
     seqs = token_sequences(tok, slots, corpus, cfg)
     monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 2)
     calls, stop_at = [], []
-    real = chunked.collect_states
+    real = chunked.collect_states_shared
 
     def counted(*args, **kwargs):
         calls.append(len(args[2]))
@@ -64,7 +64,7 @@ def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):
     def stage3(parts):
         return rollouts(model, tok, slots, seqs, corpus, tmp_path / "enc", 1, cfg, random.Random(0), parts)[0]
 
-    monkeypatch.setattr(chunked, "collect_states", counted)
+    monkeypatch.setattr(chunked, "collect_states_shared", counted)
     whole = stage3(None)
     uninterrupted = len(calls)
     assert uninterrupted > 6
