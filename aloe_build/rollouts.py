@@ -26,8 +26,8 @@ from .chunked import chunked_states, chunked_token_lists
 from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
 from .forward import greedy_generate, teacher_forced
+from .shared_prefix import collect_states_shared
 from .slots import Slot
-from .states import collect_states
 from .tokens import chat_answer, chat_header_length, chat_prompt, chat_template_key, encode_continuation, encode_prompt, pad_id
 
 
@@ -177,7 +177,8 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
         texts = shared_negative_texts(corpus, cfg)
         seqs = continued(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts],
                          cfg.negative_continuation_tokens, cfg.batch_size, "stage 3: continuations of shared negatives")
-        return collect_states(model, tokenizer, seqs, layer, None, cfg.batch_size, "stage 3: shared negatives").states
+        return collect_states_shared(model, tokenizer, seqs, layer, None, cfg.batch_size,
+                                     "stage 3: shared negatives").states
 
     pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}"
                                  ".safetensors", compute)
@@ -197,8 +198,8 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
                          cfg.batch_size, "stage 3: answers of chat negatives")
         head = chat_header_length(tokenizer)
         positions = [range(0 if k == 0 else head, len(q)) for k, q in enumerate(seqs)]
-        return collect_states(model, tokenizer, seqs, layer, positions, cfg.batch_size,
-                              "stage 3: chat negatives").states
+        return collect_states_shared(model, tokenizer, seqs, layer, positions, cfg.batch_size,
+                                     "stage 3: chat negatives").states
 
     name = f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negative_continuation_tokens}-{chat_template_key(tokenizer)}"
     return _cached_states(path / f"{name}.safetensors", compute)

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from aloe_kernels.hf import locate_down_proj
@@ -130,8 +131,9 @@ def _run_rests(model: nn.Module, box: dict, rows: list[tuple[int, int]], groups:
 
 def collect_states_shared(model: nn.Module, tokenizer, sequences: Sequence[Sequence[int]], layer: int,
                           positions: Sequence[Sequence[int]] | None = None, batch_size: int = 32,
-                          min_shared: int = MIN_SHARED) -> StateBatch:
-    """:func:`aloe_build.states.collect_states`, with each shared prefix computed once."""
+                          desc: str | None = None, min_shared: int = MIN_SHARED) -> StateBatch:
+    """:func:`aloe_build.states.collect_states`, with each shared prefix computed once (``desc``: a
+    progress bar over the sequences)."""
     keep = [list(range(len(s))) if positions is None else list(positions[i]) for i, s in enumerate(sequences)]
     groups = prefix_groups(sequences, min_shared, max_members=4 * batch_size)
     alone = [i for g in groups if g.shared == 0 for i in g.members]
@@ -140,7 +142,7 @@ def collect_states_shared(model: nn.Module, tokenizer, sequences: Sequence[Seque
     states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
     if alone:
         got = collect_states(model, tokenizer, [sequences[i] for i in alone], layer, [keep[i] for i in alone],
-                             batch_size)
+                             batch_size, None if desc is None else f"{desc} (no shared prefix)")
         for j, i in enumerate(alone):
             states[int(offsets[i]): int(offsets[i + 1])] = got.of(j)
     device, pid = model_device(model), pad_id(tokenizer)
@@ -149,7 +151,7 @@ def collect_states_shared(model: nn.Module, tokenizer, sequences: Sequence[Seque
         # the rest of every grouped sequence, batched by the length of that rest (little padding)
         rows = sorted(((k, i) for k, g in enumerate(groups) if g.shared for i in g.members),
                       key=lambda r: len(sequences[r[1]]) - groups[r[0]].shared)
-        for start in range(0, len(rows), batch_size):
+        for start in tqdm(range(0, len(rows), batch_size), desc=desc, disable=desc is None, leave=False):
             batch = rows[start: start + batch_size]
             h_rest = _run_rests(model, box, batch, groups, prefixes, sequences, pid, device)
             for b, (k, i) in enumerate(batch):

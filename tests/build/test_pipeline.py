@@ -235,14 +235,14 @@ def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeyp
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:2]
     made = []
-    original = rollouts.collect_states
+    original = rollouts.collect_states_shared
 
     def counting(*args, **kw):
         if kw.get("desc") == "stage 3: shared negatives" or (len(args) > 6 and args[6] == "stage 3: shared negatives"):
             made.append(1)
         return original(*args, **kw)
 
-    monkeypatch.setattr(rollouts, "collect_states", counting)
+    monkeypatch.setattr(rollouts, "collect_states_shared", counting)
     for i, kw in enumerate([dict(encoder_steps=20), dict(encoder_steps=21, encoder_margin=0.3), dict(encoder_records=30)]):
         build_operator(model, tok, edits, _tiny_cfg(tmp_path, **kw), out_dir=tmp_path / f"r{i}", log=None)
     pools = sorted(p.parent.name for p in (tmp_path / "enc" / "negatives").glob("*/negatives-*.safetensors"))
