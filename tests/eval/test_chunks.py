@@ -27,8 +27,8 @@ def _same(a, b, path="") -> None:
         assert set(a) == set(b), path
         for k in a:
             _same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             _same(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and not (isinstance(b, float) and math.isnan(a) and math.isnan(b)):
