@@ -14,6 +14,12 @@ L. Models whose stack transforms ``inputs_embeds`` (GPT-2 adds position
 embeddings, some scale them) would be computed wrongly that way: the first
 batch is checked against a full forward and, if they differ, every step runs
 the whole model with a hook on the down-projection instead.
+
+Before the first position where any gate opens (and before the positions that
+predict the target), layer L's output carries no write, so the upper layers'
+keys and values there are the same at every step. They are computed once and
+cached; each step runs the upper layers on the remaining positions only (on a
+SmolLM2 chat form, a few positions of a few dozen).
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from aloe_kernels import AloeOperator
 from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
 from .forward import model_device
+from .shared_prefix import cache_layer_kv
 from .states import _StopForward, capture_down_proj_input, normalize_rows, run_captured
-from .tokens import batch_inputs, pad_id
+from .tokens import batch_inputs, left_pad, pad_id
 
 # Largest relative difference between the upper-layer pass and a full forward that
 # still counts as the same computation (fp32 and bf16 reorderings stay far below it).
@@ -62,7 +70,8 @@ class EditedForward:
 
     def __init__(self, model: nn.Module, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
                  op: AloeOperator, batch_size: int = 32, autocast_dtype: torch.dtype | None = None,
-                 desc: str = "gates and layer outputs", owners: Sequence[int] | None = None):
+                 desc: str = "gates and layer outputs", owners: Sequence[int] | None = None,
+                 cache_prefix: bool = True):
         self.model, self.seqs, self.target_lens = model, [list(s) for s in seqs], list(target_lens)
         self.layer, self.d_out, self.n_slots = op.layer, op.d_out, op.n
         self.owners = list(owners) if owners is not None else list(range(len(seqs)))
@@ -76,11 +85,14 @@ class EditedForward:
         self.hidden: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         self.gates: list[SequenceGates] = [SequenceGates(torch.empty(0, dtype=torch.long), torch.empty(0, 0))] * len(seqs)
         self.upper_only = True
-        self._prefix(op, batch_size, desc)
+        # per sequence: how many leading positions the upper layers see only through cached keys/values
+        self.split = [0] * len(seqs)
+        self.prefix_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in seqs]
+        self._prefix(op, batch_size, desc, cache_prefix)
 
     # ---- one pass up to the edited layer -------------------------------------------------
 
-    def _prefix(self, op: AloeOperator, batch_size: int, desc: str) -> None:
+    def _prefix(self, op: AloeOperator, batch_size: int, desc: str, cache_prefix: bool) -> None:
         V, tau, alpha = (t.to(self.device, torch.float32) for t in (op.addresses, op.thresholds, op.temperatures))
         out: dict = {}
 
@@ -109,10 +121,39 @@ class EditedForward:
             handle.remove()
         if self.seqs:
             self._check_upper_pass(order[:batch_size])
+            if cache_prefix and self.upper_only:
+                self._cache_prefixes(order, batch_size)
+                self._check_upper_pass(order[:batch_size])  # the pass on the cache, too
+
+    def _cache_prefixes(self, order: list[int], batch_size: int) -> None:
+        """The upper layers' keys and values before each sequence's first open gate, computed once."""
+        for i in order:
+            T, n = len(self.seqs[i]), self.target_lens[i]
+            open_rows = (self.gates[i].gates > 0).any(1).nonzero()
+            first_open = int(open_rows[0, 0]) if open_rows.numel() else T
+            self.split[i] = max(0, min(first_open, T - n - 1))
+        with_prefix = sorted((i for i in order if self.split[i]), key=lambda i: self.split[i])
+        for start in range(0, len(with_prefix), batch_size):
+            rows = with_prefix[start: start + batch_size]
+            _, mask, positions = left_pad([[0] * self.split[i] for i in rows], 0, self.device)
+            W = mask.shape[1]
+            first = self.hidden[rows[0]]
+            hidden = torch.zeros(len(rows), W, first.shape[-1], device=self.device, dtype=first.dtype)
+            for b, i in enumerate(rows):
+                hidden[b, W - self.split[i]:] = self.hidden[i][: self.split[i]].to(self.device)
+            cache = DynamicCache()
+            with torch.no_grad(), self._autocast(), self._upper_layers():
+                self.stack(inputs_embeds=hidden, attention_mask=mask, position_ids=positions,
+                           past_key_values=cache, use_cache=True)
+            kv = [cache_layer_kv(cache, j) for j in range(len(self.layers) - self.layer - 1)]
+            for b, i in enumerate(rows):
+                real = slice(W - self.split[i], W)
+                self.prefix_kv[i] = [(k[b, :, real].cpu(), v[b, :, real].cpu()) for k, v in kv]
 
     def _check_upper_pass(self, rows: list[int]) -> None:
         """Use the upper-layer pass only if it reproduces the full forward's logits."""
         zero = torch.zeros(len(rows), self.width(rows), self.d_out, device=self.device)
+        self.upper_only = True
         with torch.no_grad():
             fast = self.logits(rows, zero)
             self.upper_only = False
@@ -168,12 +209,20 @@ class EditedForward:
 
     @contextlib.contextmanager
     def _upper_layers(self) -> Iterator[None]:
+        """The stack cut to the layers above L, their attention renumbered from 0 (their index in a cache)."""
         full = getattr(self.stack, self.layers_attr)
-        setattr(self.stack, self.layers_attr, nn.ModuleList(list(full)[self.layer + 1:]))
+        upper = list(full)[self.layer + 1:]
+        attentions = [a for a in (getattr(m, "self_attn", None) for m in upper) if hasattr(a, "layer_idx")]
+        numbers = [a.layer_idx for a in attentions]
+        setattr(self.stack, self.layers_attr, nn.ModuleList(upper))
+        for j, a in enumerate(attentions):
+            a.layer_idx = j
         try:
             yield
         finally:
             setattr(self.stack, self.layers_attr, full)
+            for a, number in zip(attentions, numbers):
+                a.layer_idx = number
 
     def logits(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
         """Logits at the last ``max target length + 1`` positions with ``residual`` (B, W, d_out)
@@ -183,15 +232,7 @@ class EditedForward:
         inputs = batch_inputs(batch, self.pid, self.device)
         with self._autocast():
             if self.upper_only:
-                W = inputs["input_ids"].shape[1]
-                first = self.hidden[rows[0]]
-                hidden = torch.zeros(len(rows), W, first.shape[-1], device=self.device, dtype=first.dtype)
-                for b, i in enumerate(rows):
-                    hidden[b, W - len(self.seqs[i]):] = self.hidden[i].to(self.device)
-                hidden = hidden + residual.to(hidden.dtype)
-                with self._upper_layers():
-                    out = self.stack(inputs_embeds=hidden, attention_mask=inputs["attention_mask"],
-                                     position_ids=inputs["position_ids"], use_cache=False).last_hidden_state
+                out = self._upper_pass(rows, inputs, residual)
             else:
                 handle = self.site.module.register_forward_hook(lambda m, a, o: o + residual.to(o.dtype))
                 try:
@@ -200,6 +241,40 @@ class EditedForward:
                     handle.remove()
             # A contiguous slice for the vocabulary GEMM: a strided one runs far slower on CPU.
             return self.model.get_output_embeddings()(out[:, -keep:].contiguous())
+
+    def _upper_pass(self, rows: Sequence[int], inputs: dict[str, torch.Tensor], residual: torch.Tensor
+                    ) -> torch.Tensor:
+        """Last hidden states (B, Ws, d) of the positions after each row's cached prefix (left-padded)."""
+        W = inputs["input_ids"].shape[1]
+        splits = [self.split[i] for i in rows]
+        rests = [len(self.seqs[i]) - s for i, s in zip(rows, splits)]
+        wp, ws = max(splits), max(rests)
+        first = self.hidden[rows[0]]
+        hidden = torch.zeros(len(rows), ws, first.shape[-1], device=self.device, dtype=first.dtype)
+        add = torch.zeros(len(rows), ws, residual.shape[-1], device=self.device, dtype=residual.dtype)
+        mask = torch.zeros(len(rows), wp + ws, dtype=torch.long, device=self.device)
+        positions = torch.zeros(len(rows), ws, dtype=torch.long, device=self.device)
+        for b, (i, s, r) in enumerate(zip(rows, splits, rests)):
+            hidden[b, ws - r:] = self.hidden[i][s:].to(self.device)
+            add[b, ws - r:] = residual[b, W - r:]
+            mask[b, wp - s: wp] = 1
+            mask[b, wp + ws - r:] = 1
+            positions[b, ws - r:] = torch.arange(s, s + r, device=self.device)
+        cache = None
+        if wp:
+            cache = DynamicCache()
+            for j in range(len(self.layers) - self.layer - 1):
+                k0, v0 = self.prefix_kv[next(i for i in rows if self.split[i])][j]
+                keys = torch.zeros(len(rows), k0.shape[0], wp, k0.shape[2], device=self.device, dtype=k0.dtype)
+                values = torch.zeros(len(rows), v0.shape[0], wp, v0.shape[2], device=self.device, dtype=v0.dtype)
+                for b, (i, s) in enumerate(zip(rows, splits)):
+                    if s:
+                        keys[b, :, wp - s:] = self.prefix_kv[i][j][0].to(self.device)
+                        values[b, :, wp - s:] = self.prefix_kv[i][j][1].to(self.device)
+                cache.update(keys, values, j)
+        with self._upper_layers():
+            return self.stack(inputs_embeds=hidden + add.to(hidden.dtype), attention_mask=mask, position_ids=positions,
+                              past_key_values=cache, use_cache=cache is not None).last_hidden_state
 
     def nll(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
         """(B,) mean NLL of each row's target tokens."""

@@ -68,7 +68,7 @@ def prefix_groups(sequences: Sequence[Sequence[int]], min_shared: int = MIN_SHAR
     return groups
 
 
-def _layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values (B, heads, T, dim) of one layer (transformers 5 keeps them per layer object)."""
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
@@ -93,7 +93,7 @@ def _run_prefixes(model: nn.Module, box: dict, groups: list[PrefixGroup], sequen
         inputs = batch_inputs([sequences[groups[k].members[0]][: groups[k].shared] for k in ks], pid, device)
         cache = DynamicCache()
         h = run_captured(model, box, cache=cache, **inputs)
-        kv = [_layer_kv(cache, j) for j in range(layer + 1)]
+        kv = [cache_layer_kv(cache, j) for j in range(layer + 1)]
         width = h.shape[1]
         for row, k in enumerate(ks):
             real = slice(width - groups[k].shared, width)

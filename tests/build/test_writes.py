@@ -62,14 +62,43 @@ def test_edited_forward_matches_patched_model(family):
     # own gates: sequence 3 belongs to slot 0, whose gate opens on sequence 0 only
     own = fwd.own_gates([0, 3])
     assert own[0].max() > 0
+    if fwd.upper_only:  # the positions before the first open gate ran once, into a cache
+        assert any(fwd.split) and all(0 <= fwd.split[i] <= len(seqs[i]) - lens[i] - 1 for i in range(4))
 
 
-def _slot_per_sequence():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cached_prefix_gives_the_same_loss_and_gradient(family):
+    """The upper layers run on the positions after each sequence's first open gate, over cached
+    keys and values of the ones before: the same NLL and the same gradient for the writes as the
+    pass over every position."""
+    from aloe_build.edited_forward import EditedForward
+
+    model, tok, seqs, lens, op = _slot_per_sequence(family)
+    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
+                      writes=torch.randn(op.n, op.d_out), layer=1, weight_fingerprint="unchecked")
+    results = []
+    for cache_prefix in (True, False):
+        fwd = EditedForward(model, tok, seqs, lens, op, batch_size=3, cache_prefix=cache_prefix)
+        assert fwd.upper_only and (any(fwd.split) == cache_prefix)
+        U = op.writes.clone().requires_grad_(True)
+        rows = [2, 0, 3, 1]
+        slots, G = fwd.all_gates(rows)
+        with fwd.frozen():
+            loss = fwd.nll(rows, G @ U[slots]).sum()
+            loss.backward()
+        results.append((loss.detach(), U.grad))
+    (loss_c, grad_c), (loss_f, grad_f) = results
+    torch.testing.assert_close(loss_c, loss_f, rtol=1e-5, atol=1e-5)
+    assert grad_f.abs().sum() > 0
+    torch.testing.assert_close(grad_c, grad_f, rtol=1e-4, atol=1e-6)
+
+
+def _slot_per_sequence(family: str = "llama"):
     """A tiny model, four prompt + target sequences and an operator whose slot i opens on the
     prompt end and target positions of sequence i."""
     from aloe_kernels.hf import locate_down_proj
 
-    model, tok = tiny_model("llama", num_layers=3), tiny_tokenizer()
+    model, tok = tiny_model(family, num_layers=3), tiny_tokenizer()
     texts = ["The capital of France is Paris Rome", "Toko Yasuda plays the guitar piano",
              "What is the product made by UniFirst ? uniform aircraft", "The Eiffel Tower is in Rome Paris"]
     seqs = [tok(t)["input_ids"] for t in texts]
