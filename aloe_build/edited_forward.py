@@ -39,7 +39,7 @@ from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
 from .forward import model_device
-from .shared_prefix import cache_layer_kv
+from .shared_prefix import cache_layer_kv, left_padded_cache
 from .states import _StopForward, capture_down_proj_input, normalize_rows, run_captured
 from .tokens import batch_inputs, left_pad, pad_id
 
@@ -260,18 +260,8 @@ class EditedForward:
             mask[b, wp - s: wp] = 1
             mask[b, wp + ws - r:] = 1
             positions[b, ws - r:] = torch.arange(s, s + r, device=self.device)
-        cache = None
-        if wp:
-            cache = DynamicCache()
-            for j in range(len(self.layers) - self.layer - 1):
-                k0, v0 = self.prefix_kv[next(i for i in rows if self.split[i])][j]
-                keys = torch.zeros(len(rows), k0.shape[0], wp, k0.shape[2], device=self.device, dtype=k0.dtype)
-                values = torch.zeros(len(rows), v0.shape[0], wp, v0.shape[2], device=self.device, dtype=v0.dtype)
-                for b, (i, s) in enumerate(zip(rows, splits)):
-                    if s:
-                        keys[b, :, wp - s:] = self.prefix_kv[i][j][0].to(self.device)
-                        values[b, :, wp - s:] = self.prefix_kv[i][j][1].to(self.device)
-                cache.update(keys, values, j)
+        cache = left_padded_cache([self.prefix_kv[i] if s else [] for i, s in zip(rows, splits)], wp,
+                                  self.device) if wp else None
         with self._upper_layers():
             return self.stack(inputs_embeds=hidden + add.to(hidden.dtype), attention_mask=mask, position_ids=positions,
                               past_key_values=cache, use_cache=cache is not None).last_hidden_state

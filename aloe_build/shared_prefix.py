@@ -75,6 +75,25 @@ def cache_layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
+def left_padded_cache(rows: list[list[tuple[torch.Tensor, torch.Tensor]]], width: int, device: torch.device
+                      ) -> DynamicCache:
+    """A cache of ``len(rows)`` rows from each row's per-layer keys and values (heads, length, dim),
+    right-aligned in ``width`` positions (an empty list: a row with none); the attention mask must
+    leave out the positions before each row's own."""
+    some = next(r for r in rows if r)
+    cache = DynamicCache()
+    for j, (k0, v0) in enumerate(some):
+        keys = torch.zeros(len(rows), k0.shape[0], width, k0.shape[2], device=device, dtype=k0.dtype)
+        values = torch.zeros(len(rows), v0.shape[0], width, v0.shape[2], device=device, dtype=v0.dtype)
+        for b, row in enumerate(rows):
+            if row:
+                k, v = row[j]
+                keys[b, :, width - k.shape[1]:] = k.to(device)
+                values[b, :, width - v.shape[1]:] = v.to(device)
+        cache.update(keys, values, j)
+    return cache
+
+
 @dataclass
 class _Prefix:
     """One group's prefix after its pass: states (shared, d) and per-layer keys/values (heads, shared, dim)."""
@@ -115,16 +134,7 @@ def _run_rests(model: nn.Module, box: dict, rows: list[tuple[int, int]], groups:
     for b, (r, s) in enumerate(zip(rests, shared)):
         ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
         mask[b, wp - s: wp + len(r)] = 1
-    cache = DynamicCache()
-    for j in range(len(prefixes[rows[0][0]].kv)):
-        k0, v0 = prefixes[rows[0][0]].kv[j]
-        keys = k0.new_zeros(len(rows), k0.shape[0], wp, k0.shape[2])
-        values = v0.new_zeros(len(rows), v0.shape[0], wp, v0.shape[2])
-        for b, (k, _) in enumerate(rows):
-            kp, vp = prefixes[k].kv[j]
-            keys[b, :, wp - kp.shape[1]:] = kp
-            values[b, :, wp - vp.shape[1]:] = vp
-        cache.update(keys, values, j)
+    cache = left_padded_cache([prefixes[k].kv for k, _ in rows], wp, device)
     positions = torch.tensor(shared, device=device)[:, None] + torch.arange(ws, device=device)
     return run_captured(model, box, cache=cache, input_ids=ids, attention_mask=mask, position_ids=positions)
 
