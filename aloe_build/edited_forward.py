@@ -127,11 +127,14 @@ class EditedForward:
 
     def _cache_prefixes(self, order: list[int], batch_size: int) -> None:
         """The upper layers' keys and values before each sequence's first open gate, computed once."""
+        # a batch's logits are those of its last (longest target + 1) positions: every sequence keeps
+        # at least that many after its cache, whichever batch it is in
+        scored = max(self.target_lens) + 1
         for i in order:
-            T, n = len(self.seqs[i]), self.target_lens[i]
+            T = len(self.seqs[i])
             open_rows = (self.gates[i].gates > 0).any(1).nonzero()
             first_open = int(open_rows[0, 0]) if open_rows.numel() else T
-            self.split[i] = max(0, min(first_open, T - n - 1))
+            self.split[i] = max(0, min(first_open, T - scored))
         with_prefix = sorted((i for i in order if self.split[i]), key=lambda i: self.split[i])
         for start in range(0, len(with_prefix), batch_size):
             rows = with_prefix[start: start + batch_size]
@@ -227,6 +230,11 @@ class EditedForward:
     def logits(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
         """Logits at the last ``max target length + 1`` positions with ``residual`` (B, W, d_out)
         added to the edited down-projection's output."""
+        # A contiguous slice for the vocabulary GEMM: a strided one runs far slower on CPU.
+        return self.model.get_output_embeddings()(self._last_hidden(rows, residual).contiguous())
+
+    def _last_hidden(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (B, max target length + 1, d) behind :meth:`logits`."""
         batch = [self.seqs[i] for i in rows]
         keep = max(self.target_lens[i] for i in rows) + 1
         inputs = batch_inputs(batch, self.pid, self.device)
@@ -239,8 +247,7 @@ class EditedForward:
                     out = self.model.base_model(**inputs, use_cache=False).last_hidden_state
                 finally:
                     handle.remove()
-            # A contiguous slice for the vocabulary GEMM: a strided one runs far slower on CPU.
-            return self.model.get_output_embeddings()(out[:, -keep:].contiguous())
+        return out[:, -keep:]
 
     def _upper_pass(self, rows: Sequence[int], inputs: dict[str, torch.Tensor], residual: torch.Tensor
                     ) -> torch.Tensor:
@@ -273,14 +280,18 @@ class EditedForward:
     def scored(self, rows: Sequence[int], residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(nll, exact)``: (B,) mean NLL of each row's target tokens and whether every one of
         them is the argmax given the ones before (what greedy decoding of the target needs)."""
-        logits = self.logits(rows, residual)
-        K = logits.shape[1]
-        losses, exact = [], []
-        for b, i in enumerate(rows):
-            n = self.target_lens[i]
-            tgt = torch.tensor(self.seqs[i][-n:], device=logits.device)
-            # logits at position p predict token p+1: the last n tokens come from the n positions before them
-            at = logits[b, K - n - 1: K - 1].float()
-            losses.append(F.cross_entropy(at, tgt))
-            exact.append(bool((at.detach().argmax(-1) == tgt).all()))
-        return torch.stack(losses), torch.tensor(exact)
+        hidden = self._last_hidden(rows, residual)
+        K = hidden.shape[1]
+        lengths = torch.tensor([self.target_lens[i] for i in rows])
+        row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        # logits at position p predict token p+1: the last n tokens come from the n positions before them
+        at = torch.cat([torch.arange(K - n - 1, K - 1) for n in lengths.tolist()])
+        target = torch.tensor([t for i in rows for t in self.seqs[i][-self.target_lens[i]:]], device=hidden.device)
+        # the vocabulary GEMM only where a target token is predicted, and one gather for the whole batch
+        logits = self.model.get_output_embeddings()(hidden[row.to(hidden.device), at.to(hidden.device)]).float()
+        token_nll = F.cross_entropy(logits, target, reduction="none")
+        row = row.to(hidden.device)
+        nll = torch.zeros(len(rows), device=hidden.device).index_add(0, row, token_nll) / lengths.to(hidden.device)
+        missed = torch.zeros(len(rows), device=hidden.device).index_add(
+            0, row, (logits.detach().argmax(-1) != target).float())
+        return nll, (missed == 0).cpu()

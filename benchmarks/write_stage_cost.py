@@ -1,0 +1,72 @@
+"""Stages 6-8 of a finished build run again, with and without the cached prefix of the upper layers.
+
+Copies the build's checkpoints of stages 2-5 into two scratch directories and resumes the build in
+each (same edits, same configuration, read from ``build_report.json``), once with the write stages'
+upper-layer pass over every position and once over the positions after each sequence's first open
+gate (the default); prints each stage's seconds, their ratio, and how far the two sets of writes
+and their produced requests differ.
+
+    python -m benchmarks.write_stage_cost runs/zsre-chat100 --edits zsre-tune100.json --skip-invalid
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+import aloe_build.edited_forward as edited_forward
+from aloe_build import BuildConfig, build_operator, load_edits, load_model
+
+_KEPT = ("2_init", "3_rollouts", "4_refine", "5_calibrate")
+
+
+def _resumed(build: Path, scratch: Path) -> Path:
+    (scratch / "checkpoints").mkdir(parents=True)
+    for f in (build / "checkpoints").iterdir():
+        if f.name.split(".")[0] in _KEPT and f.is_file():
+            shutil.copy2(f, scratch / "checkpoints" / f.name)
+    return scratch
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("build_dir")
+    ap.add_argument("--edits", required=True, help="the edit file the build was made from")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--skip-invalid", action="store_true")
+    ap.add_argument("--model", default="smollm2")
+    args = ap.parse_args(argv)
+    build = Path(args.build_dir)
+    cfg = BuildConfig.from_dict(json.loads((build / "build_report.json").read_text())["config"])
+    requests = load_edits(args.edits, limit=args.limit, skip_invalid=args.skip_invalid)
+    model, tok = load_model(args.model)
+    real_init = edited_forward.EditedForward.__init__
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cache_prefix in (False, True):
+            edited_forward.EditedForward.__init__ = functools.partialmethod(real_init, cache_prefix=cache_prefix)
+            try:
+                out = _resumed(build, Path(tmp) / f"cache-{cache_prefix}")
+                op = build_operator(model, tok, requests, cfg, out_dir=out, log=None)
+            finally:
+                edited_forward.EditedForward.__init__ = real_init
+            stages = json.loads((out / "build_report.json").read_text())["stages"]
+            runs[cache_prefix] = (op.writes.float(), stages)
+            print(f"cached prefix {'on ' if cache_prefix else 'off'}: " + ", ".join(
+                f"{k} {stages[k]['seconds']:.1f} s" for k in ("6_targets", "7_ridge", "8_finetune")) +
+                f"; requests produced after stage 8: {stages['8_finetune'].get('produced'):.3f}")
+    (u_off, s_off), (u_on, s_on) = runs[False], runs[True]
+    for k in ("6_targets", "8_finetune"):
+        print(f"{k}: on / off time {s_on[k]['seconds'] / s_off[k]['seconds']:.2f}")
+    print(f"writes: max |U_on - U_off| {float((u_on - u_off).abs().max()):.2e}, "
+          f"relative {float((u_on - u_off).norm() / u_off.norm().clamp_min(1e-12)):.2e}; threads {torch.get_num_threads()}")
+
+
+if __name__ == "__main__":
+    main()
