@@ -9,13 +9,21 @@ tokens. Metrics, per system prompt:
 - ``locality``: each locality prompt asked the same way gets token for token the unedited
   model's answer (up to its end of turn);
 - ``unedited_efficacy``: how often the unedited model already gives the target (the floor).
+
+For an editor with slots (ALOE), ``gates`` holds the own slot's gate at the last prompt token (the
+template's assistant header, where the answer starts): its mean, the share of requests where it is
+open (at least ``open_threshold``), and the misses split as in the plain protocol: ``address`` (the
+gate is not open) or ``write`` (it is, and the answer still lacks the target).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from aloe_build.forward import greedy_generate
+from aloe_build.states import collect_states
 from aloe_build.tokens import chat_prompt, pad_id
 
 from .editors import Editor
@@ -58,9 +66,29 @@ def chat_answers(model, tokenizer, questions: Sequence[str], system: str | None 
     return [_until_end(g, stops) for g in gens]
 
 
+def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system: str | None, hit: Sequence[bool],
+              open_threshold: float = 0.5, batch_size: int = 32) -> dict[str, Any]:
+    """Statistics of each request's own-slot gate at the last token of its chat prompt (module doc)."""
+    seqs = [chat_prompt(tokenizer, r.prompt, system) for r in requests]
+    h = collect_states(model, tokenizer, seqs, editor.layer, [[len(q) - 1] for q in seqs], batch_size).states
+    gates = editor.slot_activations(h)
+    own, missed = [], []
+    for i, r in enumerate(requests):
+        slot = editor.slot_of(r, i)
+        if slot is not None:
+            own.append(float(gates[i, slot]))
+            missed.append(not hit[i])
+    g = torch.tensor(own)
+    m = torch.tensor(missed, dtype=torch.bool)
+    return {"open_threshold": open_threshold, "mapped": len(own),
+            "own_gate_mean": float(g.mean()) if own else None,
+            "open_share": float((g >= open_threshold).float().mean()) if own else None,
+            "misses": {"address": int((m & (g < open_threshold)).sum()), "write": int((m & (g >= open_threshold)).sum())}}
+
+
 def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *, batch_size: int = 32,
                     progress: bool = True, systems: dict[str, str | None] | None = None,
-                    tokens: int = CHAT_TOKENS) -> dict[str, Any]:
+                    tokens: int = CHAT_TOKENS, open_threshold: float = 0.5) -> dict[str, Any]:
     """Score ``editor`` on ``requests`` in chat form, once per system prompt (see the module doc)."""
     systems = SYSTEMS if systems is None else systems
     out: dict[str, Any] = {"tokens": tokens, "edits": len(requests)}
@@ -97,17 +125,23 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
             "misses": [{"request": r.prompt, "target": r.target_new, "answer": t}
                        for r, t, h in zip(requests, text, hit) if not h][:10],
         }
+        if editor.has_slots and editor.layer is not None:
+            out[name]["gates"] = own_gates(model, tokenizer, requests, editor, system, hit, open_threshold, batch_size)
     return out
 
 
 def chat_markdown(result: dict[str, Any]) -> str:
     """One row per system prompt."""
-    lines = ["| system prompt | efficacy (target in answer) | exact prefix | unedited | chat locality |",
-             "|---|---|---|---|---|"]
+    lines = ["| system prompt | efficacy (target in answer) | exact prefix | unedited | chat locality "
+             "| own gate open | mean own gate | misses: address / write |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in SYSTEMS:
         if name in result:
             r = result[name]
             loc = "n/a" if r["locality"] is None else f"{r['locality']:.4f}"
+            g = r.get("gates")
+            gates = (f"{g['open_share']:.4f} | {g['own_gate_mean']:.4f} | {g['misses']['address']} / {g['misses']['write']}"
+                     if g and g["mapped"] else "n/a | n/a | n/a")
             lines.append(f"| {name} | {r['efficacy']:.4f} | {r['efficacy_prefix']:.4f} | "
-                         f"{r['unedited_efficacy']:.4f} | {loc} |")
+                         f"{r['unedited_efficacy']:.4f} | {loc} | {gates} |")
     return "\n".join(lines)

@@ -93,3 +93,36 @@ def test_chat_metrics_against_one_at_a_time_generation():
     assert forced_run["locality"] == 0.0
     assert forced_run["efficacy"] == forced_run["efficacy_prefix"] == pytest.approx(1 / 3)
     assert [m["request"] for m in forced_run["misses"]] == questions[1:]
+
+
+def test_chat_gates_split_misses_into_address_and_write():
+    """An operator whose slot 0 opens exactly on request 0's chat prompt (its last token) and whose
+    other slots stay shut, with zero writes: the answers are the unedited ones, so request 1 (target
+    = its own answer's first word) hits and requests 0 and 2 miss, 0 with its gate open (a write
+    miss) and 2 with it shut (an address miss)."""
+    from aloe_eval.editors import AloeEditor
+    from aloe_kernels import AloeOperator
+    from aloe_kernels.hf import locate_down_proj
+    from tests.helpers import operator_opening_on
+
+    model, tok = _setup()
+    questions = ["The capital of France is", "John Lennon plays the", "The Eiffel Tower is located in the city of"]
+    site = locate_down_proj(model, 1)
+    box = {}
+    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([chat_prompt(tok, questions[0], None)]))
+    handle.remove()
+    op = operator_opening_on(box["h"][0, -1:], n_extra=2, d_out=site.d_out)
+    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
+                      writes=torch.zeros_like(op.writes), layer=1, weight_fingerprint="unchecked",
+                      edits=[{"id": str(i)} for i in range(3)])
+    first_word = tok.decode(_answer(model, tok, questions[1], None), skip_special_tokens=True).split()[0]
+    reqs = [EditRequest(q, t, "x", id=str(i)) for i, (q, t) in enumerate(zip(questions, ["zzz", first_word, "zzz"]))]
+    got = chat_evaluation(model, tok, reqs, AloeEditor(op, check_fingerprint=False), batch_size=2, progress=False,
+                          systems={"default_system": None})["default_system"]
+    assert got["efficacy"] == pytest.approx(1 / 3)
+    g = got["gates"]
+    assert g["mapped"] == 3 and g["open_share"] == pytest.approx(1 / 3)
+    assert g["misses"] == {"address": 1, "write": 1}
+    assert 0.5 <= g["own_gate_mean"] * 3 <= 1.0  # slot 0's gate, the others exactly 0
