@@ -99,6 +99,10 @@ class BuildConfig:
     # ...and the first this many of each edit's own negative prompts (other relations of its subject
     # first) asked the same way, negatives of its slot
     negatives_chat_own: int = _at(3, 2)
+    # With chat positives, more system prompts to build under (a deployment's own, for example):
+    # each request is also asked after each of them, and the chat-form pool's records are shared
+    # out among the default and these prompts in turn (the pool keeps its size)
+    chat_systems: tuple[str, ...] = _at(3, ())
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = _at(4, 3000)
@@ -152,6 +156,14 @@ class BuildConfig:
     # steps draw only from those whose target is not yet produced greedily (stopping early when
     # none is left), so that updates go where the target is still missed. 0 = draw from all sequences.
     finetune_rescore_every: int = _at(8, 25)
+
+    def __post_init__(self) -> None:
+        # ``--set chat_systems=TEXT`` gives one prompt, a JSON list several; a tuple either way
+        if isinstance(self.chat_systems, str):
+            self.chat_systems = (self.chat_systems,)
+        self.chat_systems = tuple(self.chat_systems)
+        if not all(isinstance(t, str) and t.strip() for t in self.chat_systems):
+            raise ValueError("BuildConfig: chat_systems must be non-empty strings")
 
     def fields_up_to(self, stage: int) -> dict[str, Any]:
         """The fields that stages 1..stage depend on (a checkpoint of that stage stays valid

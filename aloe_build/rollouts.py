@@ -99,8 +99,10 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
                 seqs.add(encode_prompt(tokenizer, text), i, soft=True, along=True)
     # The request as a chat model is asked: the answer starts with the target (no leading space).
     if cfg.positives_chat:
-        for i, s in enumerate(slots):
-            seqs.add(chat_prompt(tokenizer, s.prompt), i, soft=False, along=True, target=chat_answer(tokenizer, s.target))
+        for system in (None, *cfg.chat_systems):
+            for i, s in enumerate(slots):
+                seqs.add(chat_prompt(tokenizer, s.prompt, system), i, soft=False, along=True,
+                         target=chat_answer(tokenizer, s.target))
     # The request after corpus statements: the edit must fire whatever text comes before it, so
     # these anchors are required like the request's own.
     prefix_rng = random.Random(cfg.seed + 3)
@@ -192,16 +194,21 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
     """The requests and locality prompts of the first ``negatives_chat_pool`` corpus records asked
     through the chat template, with the unedited model's answers: states at every position after the
     template's shared header (that header once): where a chat-form anchor's neighbours lie."""
+    systems = (None, *cfg.chat_systems)
+
     def compute() -> torch.Tensor:
         texts = list(dict.fromkeys(t for it in corpus.items[: cfg.negatives_chat_pool] for t in (it.request, it.locality)))
-        seqs = continued(model, tokenizer, [chat_prompt(tokenizer, t) for t in texts], cfg.negative_continuation_tokens,
-                         cfg.batch_size, "stage 3: answers of chat negatives")
-        head = chat_header_length(tokenizer)
-        positions = [range(0 if k == 0 else head, len(q)) for k, q in enumerate(seqs)]
+        asked_after = [systems[k % len(systems)] for k in range(len(texts))]
+        seqs = continued(model, tokenizer, [chat_prompt(tokenizer, t, s) for t, s in zip(texts, asked_after)],
+                         cfg.negative_continuation_tokens, cfg.batch_size, "stage 3: answers of chat negatives")
+        heads = {s: chat_header_length(tokenizer, s) for s in systems}
+        # each system prompt's header once (its first sequence whole), the rest after the header
+        positions = [range(0 if k < len(systems) else heads[s], len(q)) for k, (q, s) in enumerate(zip(seqs, asked_after))]
         return collect_states_shared(model, tokenizer, seqs, layer, positions, cfg.batch_size,
                                      "stage 3: chat negatives").states
 
-    name = f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negative_continuation_tokens}-{chat_template_key(tokenizer)}"
+    name = (f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negative_continuation_tokens}-"
+            f"{chat_template_key(tokenizer, cfg.chat_systems)}")
     return _cached_states(path / f"{name}.safetensors", compute)
 
 

@@ -67,11 +67,13 @@ def chat_header_length(tokenizer, system: str | None = None) -> int:
     return next((k for k, (x, y) in enumerate(zip(head, full)) if x != y), min(len(head), len(full)))
 
 
-def chat_template_key(tokenizer) -> str:
-    """A short hash of the tokenizer's chat template (what chat-form states depend on besides the weights)."""
+def chat_template_key(tokenizer, systems: Sequence[str] = ()) -> str:
+    """A short hash of the tokenizer's chat template and of any ``systems`` prompts asked after
+    besides its default (what chat-form states depend on besides the weights)."""
     import hashlib
 
-    return hashlib.sha256(str(getattr(tokenizer, "chat_template", "")).encode()).hexdigest()[:12]
+    text = str(getattr(tokenizer, "chat_template", "")) + "".join("\x00" + s for s in systems)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def chat_answer(tokenizer, text: str) -> list[int]:

@@ -15,7 +15,7 @@ from aloe_build import EditDataError, load_edits
 from aloe_build.models import resolve_dtype
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
-from aloe_eval.chat import chat_evaluation, chat_markdown
+from aloe_eval.chat import SYSTEMS, chat_evaluation, chat_markdown
 from aloe_eval.chunks import ChunkStore
 from aloe_kernels import AloeOperator
 from aloe_kernels.errors import AloeError
@@ -82,6 +82,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if not args.operator and baselines == []:
         print("aloe eval: error: nothing to evaluate: give --operator and/or --baseline", file=sys.stderr)
         return 2
+    if args.chat_system and args.chat == "off":
+        print("aloe eval: error: --chat-system needs --chat also or --chat only", file=sys.stderr)
+        return 2
     if args.sequential:
         return _cmd_sequential(args)
     try:
@@ -147,7 +150,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: dict, out: Path) -> None:
     """The chat-form evaluation (:mod:`aloe_eval.chat`) into ``out/chat.json`` and ``out/chat.md``."""
-    result = chat_evaluation(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet)
+    systems = {**SYSTEMS, **{f"system_{k + 1}": text for k, text in enumerate(args.chat_system or [])}}
+    result = chat_evaluation(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
+                             systems=systems)
     result["meta"] = meta
     out.mkdir(parents=True, exist_ok=True)
     (out / "chat.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
@@ -215,6 +220,8 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--chat", default="off", choices=("off", "also", "only"),
                    help="also (or only) ask each request through the model's chat template, with its default and "
                         "with a custom system prompt (chat.json, chat.md)")
+    p.add_argument("--chat-system", action="append", metavar="TEXT",
+                   help="with --chat: also ask after this system prompt (repeatable; reported as system_1, ...)")
     p.add_argument("--operator-dtype", default="served", choices=("served",) + DTYPE_CHOICES[1:],
                    help="precision of the patched operator (default served: float32 on CPU, the model's dtype on "
                    "a GPU, as the HF patch and vLLM serve it); bfloat16 on CPU reproduces a GPU's numbers")

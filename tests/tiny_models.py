@@ -17,6 +17,11 @@ _CORPUS = [
 ]
 
 
+#: A chat template for the tiny tokenizer: every message as "role : content ." and the assistant's turn.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+                      "{% if add_generation_prompt %}assistant : {% endif %}")
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_tokenizer():
     """A word-level tokenizer trained on a few sentences (vocab < 128)."""

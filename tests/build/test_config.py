@@ -30,3 +30,18 @@ def test_from_dict_refuses_unknown_fields():
     assert BuildConfig.from_dict({"refine_steps": 5}).refine_steps == 5
     with pytest.raises(ValueError, match="unknown fields"):
         BuildConfig.from_dict({"positives_prefix_fragments": 2})
+
+
+def test_chat_systems_take_one_prompt_or_a_list_and_key_the_same_either_way():
+    from aloe_build.checkpoints import StageCheckpoints
+
+    assert BuildConfig(chat_systems="Be brief.").chat_systems == ("Be brief.",)
+    listed = BuildConfig.from_dict({"chat_systems": ["Be brief.", "Answer in full."]})
+    assert listed.chat_systems == ("Be brief.", "Answer in full.")
+    again = BuildConfig.from_dict(listed.to_dict())
+    assert StageCheckpoints(None, "k", again).key("3_rollouts") == StageCheckpoints(None, "k", listed).key("3_rollouts")
+    assert StageCheckpoints(None, "k", BuildConfig()).key("3_rollouts") != StageCheckpoints(None, "k", listed).key("3_rollouts")
+    assert StageCheckpoints(None, "k", BuildConfig()).key("2_init") == StageCheckpoints(None, "k", listed).key("2_init")
+    for bad in ([""], ["ok", 3]):
+        with pytest.raises(ValueError, match="chat_systems"):
+            BuildConfig(chat_systems=bad)

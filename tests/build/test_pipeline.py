@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 from aloe_build.config import BuildConfig
 from aloe_build.data import EditRequest, save_edits_jsonl
@@ -259,8 +259,7 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
     from aloe_build.tokens import chat_answer, chat_prompt
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-                         "{% if add_generation_prompt %}assistant : {% endif %}")
+    tok.chat_template = TINY_CHAT_TEMPLATE
     edits = _edits()[:3]
     for chat in (True, False):
         out = tmp_path / f"chat{chat}"
@@ -293,8 +292,7 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
     from aloe_build.tokens import chat_header_length, chat_prompt
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-                         "{% if add_generation_prompt %}assistant : {% endif %}")
+    tok.chat_template = TINY_CHAT_TEMPLATE
     head = chat_header_length(tok)
     assert head == len(tok("user :", add_special_tokens=False)["input_ids"])
     edits = _edits()[:3]
@@ -321,6 +319,40 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
         assert both[: len(own)] == own and len(both) == len(own) + min(2, len(texts))
         for (q, p), (text, _) in zip(both[len(own):], texts):
             assert q[head: head + len(text)] == text and list(p) == list(range(head, len(q)))
+
+
+def test_chat_systems_add_a_chat_form_per_system_prompt_and_share_out_the_pool(tmp_path):
+    """With ``chat_systems``: each slot's anchors also hold its request asked after each listed
+    system prompt (last prompt token), owned by that slot alone; the chat-form pool asks its
+    corpus texts after the default and the listed prompts in turn."""
+    from safetensors.torch import load_file
+
+    from aloe_build.corpus import load_corpus
+    from aloe_build.states import collect_states
+    from aloe_build.tokens import chat_answer, chat_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    system = "answer in one word"
+    edits = _edits()[:3]
+    cfg = _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0, chat_systems=[system], negatives_chat_pool=4)
+    build_operator(model, tok, edits, cfg, out_dir=tmp_path / "op", log=None)
+    roll = load_file(str(tmp_path / "op" / "checkpoints" / "3_rollouts.safetensors"))
+    report = json.loads((tmp_path / "op" / "build_report.json").read_text())
+    assert report["stages"]["3_rollouts"]["paraphrase_positives"] == 2 * len(edits)
+    for i, e in enumerate(edits):
+        prompt, answer = chat_prompt(tok, e.prompt, system), chat_answer(tok, e.target_new)
+        h = collect_states(model, tok, [prompt + answer], 1, [[len(prompt) - 1]]).states
+        assert _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h)
+        assert not _rows_contain(roll["anchors"][roll["anchor_owner"] != i], h)
+    corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
+    texts = list(dict.fromkeys(t for it in corpus.items[:4] for t in (it.request, it.locality)))
+    for k, text in enumerate(texts[:4]):
+        after = system if k % 2 else None
+        q = chat_prompt(tok, text, after)
+        assert _rows_contain(roll["pool"], collect_states(model, tok, [q], 1, [[len(q) - 1]]).states)
+        other = chat_prompt(tok, text, None if k % 2 else system)
+        assert not _rows_contain(roll["pool"], collect_states(model, tok, [other], 1, [[len(other) - 1]]).states)
 
 
 def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from eval_helpers import LAYER, gate_operator, tiny_requests
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 from aloe_build.data import save_edits_jsonl
 from aloe_cli import main
@@ -78,3 +78,22 @@ def test_cli_build_refuses_a_missing_device_with_a_message(tmp_path, capsys):
     rc = main(["build", "--model", str(tmp_path), "--edits", str(edits), "--out", str(tmp_path / "op"),
                "--device", "cuda"])
     assert rc == 2 and "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path, capsys):
+    model_dir, edits, op_dir = _saved(tiny, tmp_path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(model_dir)
+    base = ["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2",
+            "--no-unedited", "--no-plots", "--quiet", "--batch-size", "4", "--chat-system", "answer in one word"]
+    assert main(base + ["--out", str(tmp_path / "none")]) == 2
+    assert "--chat-system needs --chat" in capsys.readouterr().err
+    out = tmp_path / "chat"
+    assert main(base + ["--chat", "only", "--out", str(out)]) == 0
+    d = json.loads((out / "chat.json").read_text())
+    assert d["system_1"]["system"] == "answer in one word" and d["custom_system"]["system"] is not None
+    assert d["default_system"]["system"] is None and d["system_1"]["locality_prompts"] == d["default_system"]["locality_prompts"]
+    assert not (out / "eval_report.json").exists()

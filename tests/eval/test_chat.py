@@ -9,10 +9,7 @@ from aloe_build.data import EditRequest
 from aloe_build.tokens import chat_answer, chat_prompt
 from aloe_eval import Editor
 from aloe_eval.chat import CHAT_TOKENS, chat_evaluation, contains_target, starts_with_target
-from tests.tiny_models import tiny_model, tiny_tokenizer
-
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-            "{% if add_generation_prompt %}assistant : {% endif %}")
+from tests.tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 
 class ForceToken(Editor):
@@ -36,7 +33,7 @@ class ForceToken(Editor):
 
 def _setup():
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    tok.chat_template = TEMPLATE
+    tok.chat_template = TINY_CHAT_TEMPLATE
     return model, tok
 
 
