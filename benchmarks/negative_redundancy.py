@@ -6,6 +6,8 @@ tokens have the same state there. This counts, for a stream, the edit-negative p
 prefix the same slot already has (a duplicate negative of that slot), whose prefix is a prompt
 prefix of the shared pool (already a negative of every slot), and the distinct prefixes over all
 slots (what a forward pass sharing prefixes would compute). Tokenization only, no forward pass.
+Stage 3 now keeps each prefix of a slot once, so ``repeated_within_slot`` reads 0 and ``positions``
+is what remains (CounterFact val, first 1,301: 334,648 positions before, 231,669 after).
 
     python -m benchmarks.negative_redundancy --edits $DATA/counterfact/counterfact-val.json --limit 1301
 """

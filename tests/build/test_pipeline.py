@@ -321,6 +321,36 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
             assert q[head: head + len(text)] == text and list(p) == list(range(head, len(q)))
 
 
+def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
+    """A slot's negative positions cover every prefix of its own request (but the last token) and
+    of its negative prompts, each prefix once: a repeated prefix would be a duplicate state."""
+    import random
+
+    from aloe_build import rollouts
+    from aloe_build.corpus import load_corpus
+    from aloe_build.slots import make_slots
+    from aloe_build.tokens import encode_prompt
+
+    tok = tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path, positives_prefixed=0)
+    corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
+    slots = make_slots(_edits())
+    seqs = rollouts.token_sequences(tok, slots, corpus, cfg)
+    spec, pos, owner = rollouts.edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(0))
+    keys = [(o, tuple(q[: t + 1])) for q, p, o in zip(spec, pos, owner) for t in p]
+    assert len(keys) == len(set(keys))
+    stream, rng, every = rollouts._Stream(slots, corpus, cfg.seed), random.Random(0), 0
+    for i, s in enumerate(slots):
+        prompt = seqs.prompts[i]
+        want = [tuple(prompt[: t + 1]) for t in range(len(prompt) - 1)]
+        for text in rollouts._edit_negative_texts(s, corpus, stream, cfg, rng):
+            ids = encode_prompt(tok, text)
+            want += [tuple(ids[: t + 1]) for t in range(len(ids))]
+        assert {k for o, k in keys if o == i} == set(want)
+        every += len(want)
+    assert len(keys) < every  # the data does repeat prefixes within a slot
+
+
 def test_chat_systems_add_a_chat_form_per_system_prompt_and_share_out_the_pool(tmp_path):
     """With ``chat_systems``: each slot's anchors also hold its request asked after each listed
     system prompt (last prompt token), owned by that slot alone; the chat-form pool asks its
