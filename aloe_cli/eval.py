@@ -59,6 +59,10 @@ def _command(args: argparse.Namespace) -> str:
         parts.append("--no-plots")
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
+    if args.chat != "off":
+        parts += ["--chat", args.chat]
+        for text in args.chat_system or []:
+            parts += ["--chat-system", text]
     return shlex.join(parts)
 
 

@@ -135,9 +135,8 @@ def chat_markdown(result: dict[str, Any]) -> str:
     lines = ["| system prompt | efficacy (target in answer) | exact prefix | unedited | chat locality "
              "| own gate open | mean own gate | misses: address / write |",
              "|---|---|---|---|---|---|---|---|"]
-    for name in SYSTEMS:
-        if name in result:
-            r = result[name]
+    for name, r in result.items():
+        if isinstance(r, dict) and "efficacy" in r:
             loc = "n/a" if r["locality"] is None else f"{r['locality']:.4f}"
             g = r.get("gates")
             gates = (f"{g['open_share']:.4f} | {g['own_gate_mean']:.4f} | {g['misses']['address']} / {g['misses']['write']}"
