@@ -158,6 +158,12 @@ def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
+def pool_prompt_prefixes(tokenizer, corpus: Corpus, cfg: BuildConfig) -> set[tuple[int, ...]]:
+    """Every token prefix of the shared pool's prompts: their states are negatives of every slot."""
+    return {tuple(ids[: t + 1]) for text in shared_negative_texts(corpus, cfg)
+            for ids in [encode_prompt(tokenizer, text)] for t in range(len(ids))}
+
+
 def _cached_states(file: Path, compute) -> torch.Tensor:
     """States read from ``file``, or computed by ``compute()`` and written there atomically."""
     from safetensors.torch import load_file
@@ -265,9 +271,11 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
 
     The state at a position depends only on the tokens up to it, so a position whose token prefix
     the same slot already has is left out: its state would be a duplicate negative of that slot
-    (about 30% of the positions on CounterFact: the slot's prompts share their subject's opening)."""
+    (about 30% of the positions on CounterFact: the slot's prompts share their subject's opening).
+    So is one whose prefix opens a prompt of the shared pool, already a negative of every slot."""
     stream = _Stream(slots, corpus, cfg.seed)
     chat_head = chat_header_length(tokenizer) if cfg.positives_chat and cfg.negatives_chat_own > 0 else 0
+    in_pool = pool_prompt_prefixes(tokenizer, corpus, cfg)
     spec_seqs, spec_pos, spec_owner = [], [], []
     for i, s in enumerate(slots):
         seen: set[tuple[int, ...]] = set()
@@ -276,7 +284,7 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
             fresh = []
             for t in positions:
                 key = tuple(ids[: t + 1])
-                if key not in seen:
+                if key not in seen and key not in in_pool:
                     seen.add(key)
                     fresh.append(t)
             if fresh:

@@ -6,8 +6,10 @@ tokens have the same state there. This counts, for a stream, the edit-negative p
 prefix the same slot already has (a duplicate negative of that slot), whose prefix is a prompt
 prefix of the shared pool (already a negative of every slot), and the distinct prefixes over all
 slots (what a forward pass sharing prefixes would compute). Tokenization only, no forward pass.
-Stage 3 now keeps each prefix of a slot once, so ``repeated_within_slot`` reads 0 and ``positions``
-is what remains (CounterFact val, first 1,301: 334,648 positions before, 231,669 after).
+Stage 3 now keeps each prefix of a slot once and leaves out the pool's prompt prefixes, so
+``repeated_within_slot`` and ``of_which_pool_prefixes`` read 0 and ``positions`` is what remains
+(CounterFact val, first 1,301: 334,648 positions at first, 231,669 with each prefix of a slot once,
+204,165 without the pool's prompt prefixes).
 
     python -m benchmarks.negative_redundancy --edits $DATA/counterfact/counterfact-val.json --limit 1301
 """
@@ -22,9 +24,8 @@ from aloe_build.config import BuildConfig
 from aloe_build.corpus import load_corpus
 from aloe_build.data import load_edits
 from aloe_build.models import load_model
-from aloe_build.rollouts import edit_negative_sequences, shared_negative_texts, token_sequences
+from aloe_build.rollouts import edit_negative_sequences, pool_prompt_prefixes, token_sequences
 from aloe_build.slots import make_slots
-from aloe_build.tokens import encode_prompt
 
 
 def redundancy(tokenizer, requests, cfg: BuildConfig) -> dict[str, float]:
@@ -33,8 +34,7 @@ def redundancy(tokenizer, requests, cfg: BuildConfig) -> dict[str, float]:
     corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
     seqs = token_sequences(tokenizer, slots, corpus, cfg)
     spec, pos, owner = edit_negative_sequences(tokenizer, slots, seqs, corpus, cfg, random.Random(cfg.seed))
-    pool = {tuple(ids[: t + 1]) for text in shared_negative_texts(corpus, cfg)
-            for ids in [encode_prompt(tokenizer, text)] for t in range(len(ids))}
+    pool = pool_prompt_prefixes(tokenizer, corpus, cfg)
     own: set[tuple[int, tuple[int, ...]]] = set()
     distinct: set[tuple[int, ...]] = set()
     total = repeated = 0

@@ -285,11 +285,12 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
 
     from safetensors.torch import load_file
 
+    from aloe_build import rollouts
     from aloe_build.corpus import load_corpus
     from aloe_build.rollouts import edit_negative_sequences, token_sequences
     from aloe_build.slots import make_slots
     from aloe_build.states import collect_states
-    from aloe_build.tokens import chat_header_length, chat_prompt
+    from aloe_build.tokens import chat_header_length, chat_prompt, encode_prompt
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     tok.chat_template = TINY_CHAT_TEMPLATE
@@ -312,18 +313,20 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
     plain = edit_negative_sequences(tok, slots, seqs, corpus, plain_cfg, random.Random(0))
     chat_cfg = _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0, negatives_chat_own=2)
     with_chat = edit_negative_sequences(tok, slots, seqs, corpus, chat_cfg, random.Random(0))
-    for i in range(len(slots)):
+    stream, rng = rollouts._Stream(slots, corpus, chat_cfg.seed), random.Random(0)
+    for i, s in enumerate(slots):
+        texts = [encode_prompt(tok, t) for t in rollouts._edit_negative_texts(s, corpus, stream, chat_cfg, rng)]
         own = [(q, p) for q, p, o in zip(*plain) if o == i]
         both = [(q, p) for q, p, o in zip(*with_chat) if o == i]
-        texts = own[1:] if own[0][0] == seqs.prompts[i] else own  # the request's own prefix comes first
         assert both[: len(own)] == own and len(both) == len(own) + min(2, len(texts))
-        for (q, p), (text, _) in zip(both[len(own):], texts):
+        for (q, p), text in zip(both[len(own):], texts):
             assert q[head: head + len(text)] == text and list(p) == list(range(head, len(q)))
 
 
 def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     """A slot's negative positions cover every prefix of its own request (but the last token) and
-    of its negative prompts, each prefix once: a repeated prefix would be a duplicate state."""
+    of its negative prompts, each prefix once (a repeated prefix would be a duplicate state), but
+    for the prefixes of the shared pool's prompts, whose states are negatives of every slot."""
     import random
 
     from aloe_build import rollouts
@@ -339,16 +342,22 @@ def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     spec, pos, owner = rollouts.edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(0))
     keys = [(o, tuple(q[: t + 1])) for q, p, o in zip(spec, pos, owner) for t in p]
     assert len(keys) == len(set(keys))
-    stream, rng, every = rollouts._Stream(slots, corpus, cfg.seed), random.Random(0), 0
+    # the pool: each corpus record's request, locality prompt and first same-subject prompt
+    pool_texts = {t for it in corpus.items[: cfg.negative_pool_records] for t in (it.request, it.locality,
+                                                                                 *it.same_subject[:1])}
+    pool = {tuple(ids[: t + 1]) for text in pool_texts for ids in [encode_prompt(tok, text)] for t in range(len(ids))}
+    stream, rng, every, in_pool = rollouts._Stream(slots, corpus, cfg.seed), random.Random(0), 0, 0
     for i, s in enumerate(slots):
         prompt = seqs.prompts[i]
         want = [tuple(prompt[: t + 1]) for t in range(len(prompt) - 1)]
         for text in rollouts._edit_negative_texts(s, corpus, stream, cfg, rng):
             ids = encode_prompt(tok, text)
             want += [tuple(ids[: t + 1]) for t in range(len(ids))]
-        assert {k for o, k in keys if o == i} == set(want)
+        assert {k for o, k in keys if o == i} == set(want) - pool
         every += len(want)
-    assert len(keys) < every  # the data does repeat prefixes within a slot
+        in_pool += len(set(want) & pool)
+    assert len(keys) + in_pool < every  # the data does repeat prefixes within a slot
+    assert in_pool > 0  # and shares some with the pool's prompts
 
 
 def test_chat_systems_add_a_chat_form_per_system_prompt_and_share_out_the_pool(tmp_path):
