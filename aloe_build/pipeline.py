@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe, weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.operator import DEFAULT_EPS, DEFAULT_GATE_EPS
+from aloe_kernels.reference import gates_from_scores
 
 from . import addresses as addr
 from .build_state import BuildState
@@ -39,6 +41,7 @@ from .slots import Slot, make_slots
 from .states import last_token_states, max_context
 from .tokens import encode_continuation
 from .writes import (
+    NegativeGateTally,
     edited_forward,
     finetune_writes,
     gates_in_chunks,
@@ -61,12 +64,27 @@ class AppendBase:
     state: BuildState
 
 
+class StageClock:
+    """Wall and process CPU time since it was made: a build's stages are compared across runs made
+    under different load, where the CPU seconds (all threads) move far less than the wall time."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def reading(self) -> dict[str, float]:
+        """Seconds, CPU seconds and the process's peak resident memory so far (GiB)."""
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return {"seconds": round(time.perf_counter() - self.wall, 2),
+                "cpu_seconds": round(time.process_time() - self.cpu, 2),
+                "peak_rss_gib": round(peak_kib / 2**20, 3)}
+
+
 @dataclass
 class BuildReport:
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def stage(self, name: str, seconds: float, **info: Any) -> None:
-        self.stages[name] = {"seconds": round(seconds, 2), **info}
+    def stage(self, name: str, clock: StageClock, **info: Any) -> None:
+        self.stages[name] = {**clock.reading(), **info}
 
 
 def _validate(model, tokenizer, requests: Sequence[EditRequest], layer: int) -> None:
@@ -176,13 +194,13 @@ class _Build:
             self.report.stages[name] = {**meta.get("report", {}), "resumed": True}
             self.say(f"{name}: resumed from checkpoint")
             return tensors
-        t0 = time.perf_counter()
+        clock = StageClock()
         try:
             tensors, info = fn()
         except FloatingPointError as exc:
             where = f"; checkpoints of earlier stages are kept in {self.ckpt.root}" if self.ckpt.root else ""
             raise BuildError(f"{exc}{where}") from exc
-        self.report.stage(name, time.perf_counter() - t0, **info)
+        self.report.stage(name, clock, **info)
         self.ckpt.save(name, tensors, report=self.report.stages[name])
         self.ckpt.drop_parts(name)
         self.say(f"{name}: done in {self.report.stages[name]['seconds']:.1f}s")
@@ -192,10 +210,10 @@ class _Build:
         cfg, model, tokenizer = self.cfg, self.model, self.tokenizer
         # (1) encoder + the corpus that also supplies negatives
         corpus, corpus_path = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
-        t0 = time.perf_counter()
+        clock = StageClock()
         enc_dir = encoder_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
         enc, enc_metrics, reused = _encoder(model, tokenizer, self.layer, enc_dir, corpus, cfg)
-        self.report.stage("1_encoder", time.perf_counter() - t0, reused=reused, corpus=str(corpus_path), **enc_metrics)
+        self.report.stage("1_encoder", clock, reused=reused, corpus=str(corpus_path), **enc_metrics)
         self.say(f"1_encoder: {'reused' if reused else 'trained'}; {_encoder_summary(enc_metrics)}")
         seqs = token_sequences(tokenizer, self.slots, corpus, cfg)
         # (2) initial addresses from the request states
@@ -224,8 +242,10 @@ class _Build:
                 new = self.operator(V, cal, self.fit_writes(gated, roll, seqs))
             op = AloeOperator.merge([old, new])
             state = BuildState.merge([old_state, state])
-        self.report.stages["gates"] = _gate_stats(new, roll["anchors"], roll["anchor_owner"],
-                                                  [roll["pool"], roll["specific"]])
+        clock = StageClock()
+        gates = _gate_stats(new, roll["anchors"], roll["anchor_owner"], [roll["pool"], roll["specific"]],
+                            self.report.stages.get("7_ridge", {}))
+        self.report.stage("gates", clock, **gates)
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             state.save(self.out, op)
@@ -315,8 +335,13 @@ class _Build:
 
         Y = self.stage("6_targets", targets)["Y"]
         negatives = [roll["pool"], roll["specific"]]
-        U0 = self.stage("7_ridge", lambda: ({"U0": ridge_writes(Y, roll["anchors"], roll["anchor_owner"], negatives,
-                                                                 gated, cfg)}, {}))["U0"]
+
+        def ridge() -> tuple[dict[str, torch.Tensor], dict]:
+            tally = NegativeGateTally()
+            U0 = ridge_writes(Y, roll["anchors"], roll["anchor_owner"], negatives, gated, cfg, tally)
+            return {"U0": U0}, tally.summary()
+
+        U0 = self.stage("7_ridge", ridge)["U0"]
 
         def finetune() -> tuple[dict[str, torch.Tensor], dict]:
             fwd = forward()
@@ -368,19 +393,23 @@ def _open_paraphrases(op: AloeOperator, anchors: torch.Tensor, anchor_seq: torch
     return seqs[g >= at_least].tolist()
 
 
-def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives) -> dict[str, float]:
-    g_anchor = gates_of(anchors, op)
-    own = g_anchor[torch.arange(len(anchor_owner)), anchor_owner]
-    rows = any_open = 0
-    max_gate = 0.0
-    for g in gates_in_chunks(negatives, op):
-        rows += g.shape[0]
-        any_open += int((g > 0).any(1).sum())
-        max_gate = max(max_gate, float(g.max()) if g.numel() else 0.0)
+def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives, ridge_report: dict[str, Any]
+                ) -> dict[str, float]:
+    """Each anchor's gate at its own slot, and how the negatives open gates: counted by stage 7,
+    which gates every negative at every slot with the same addresses and calibration (a build
+    resumed from a stage-7 checkpoint without those counts gates them again)."""
+    V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
+    own = gates_from_scores((anchors.float() * V[anchor_owner]).sum(-1), tau[anchor_owner], alpha[anchor_owner],
+                            op.gate_eps)
+    negative = {k: ridge_report[k] for k in NegativeGateTally().summary() if k in ridge_report}
+    if len(negative) < 2:
+        tally = NegativeGateTally()
+        for g in gates_in_chunks(negatives, op):
+            tally.add(g)
+        negative = tally.summary()
     return {
         "anchor_own_gate_median": float(own.median()),
         "anchor_own_gate_min": float(own.min()),
         "anchor_open_share": float((own > 0).double().mean()),
-        "negative_any_open_share": any_open / rows if rows else 0.0,
-        "negative_max_gate": max_gate,
+        **negative,
     }

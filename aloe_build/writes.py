@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -125,6 +126,24 @@ def gates_in_chunks(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperat
             yield gates_of(part[start: start + chunk], op)
 
 
+@dataclass
+class NegativeGateTally:
+    """Of the negative states gated so far: how many, how many open any gate, the largest gate."""
+
+    rows: int = 0
+    any_open: int = 0
+    max_gate: float = 0.0
+
+    def add(self, G: torch.Tensor) -> None:
+        self.rows += G.shape[0]
+        self.any_open += int((G > 0).any(1).sum())
+        self.max_gate = max(self.max_gate, float(G.max()) if G.numel() else 0.0)
+
+    def summary(self) -> dict[str, float]:
+        return {"negative_any_open_share": self.any_open / self.rows if self.rows else 0.0,
+                "negative_max_gate": self.max_gate}
+
+
 def ridge_writes(
     deltas: torch.Tensor,
     anchors: torch.Tensor,
@@ -132,16 +151,21 @@ def ridge_writes(
     negatives: torch.Tensor | Sequence[torch.Tensor],
     op: AloeOperator,
     cfg: BuildConfig,
+    tally: NegativeGateTally | None = None,
 ) -> torch.Tensor:
     """Stage 7 (paper Eq. 6): U0 = Y G+^T (G+ G+^T + lambda G- G-^T + mu I)^-1, edit-major.
 
     Column a of Y is what anchor a should receive: its own slot's gate times that slot's target.
-    ``negatives`` may be several tensors (read in place, never concatenated).
+    ``negatives`` may be several tensors (read in place, never concatenated). Gating every
+    negative at every slot is the stage's cost, so ``tally``, if given, also counts their gates
+    (the build report's gate statistics need the same pass).
     """
     Gp = gates_of(anchors, op).double()  # (A, n)
     Y = Gp[torch.arange(len(anchor_owner)), anchor_owner][:, None] * deltas.double()[anchor_owner]  # (A, d_out)
     A = _gram(Gp) + cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
     for Gn in gates_in_chunks(negatives, op):
+        if tally is not None:
+            tally.add(Gn)
         A += cfg.ridge_lambda * _gram(Gn.double())
     writes = torch.linalg.solve(A, Gp.T @ Y)  # (n, d_out)
     if not torch.isfinite(writes).all():

@@ -70,6 +70,35 @@ def test_tiny_pipeline_shapes_report_and_determinism(tmp_path):
     assert again.fingerprint() == op.fingerprint()
 
 
+def test_build_report_times_each_stage_and_states_the_operators_gates(tmp_path):
+    """Every stage reports wall and CPU seconds and the peak memory so far; the gate statistics
+    equal those of the saved operator's gates (reference math) on the stage-3 states."""
+    from safetensors.torch import load_file
+
+    from aloe_kernels.reference import open_score_floor
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    op = build_operator(model, tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run", log=None)
+    report = json.loads((tmp_path / "run" / "build_report.json").read_text())
+    for name in ("1_encoder", "2_init", "3_rollouts", "4_refine", "5_calibrate", "6_targets", "7_ridge",
+                 "8_finetune", "gates"):
+        st = report["stages"][name]
+        assert st["seconds"] >= 0 and st["cpu_seconds"] >= 0 and st["peak_rss_gib"] > 0.01, name
+    roll = load_file(str(tmp_path / "run" / "checkpoints" / "3_rollouts.safetensors"))
+    own = aloe_gates(roll["anchors"].double(), op)[torch.arange(len(roll["anchor_owner"])), roll["anchor_owner"]]
+    negatives = aloe_gates(torch.cat([roll["pool"], roll["specific"]]).double(), op)
+    gates = report["stages"]["gates"]
+    assert gates["anchor_own_gate_median"] == pytest.approx(float(own.median()), abs=1e-5)
+    assert gates["anchor_own_gate_min"] == pytest.approx(float(own.min()), abs=1e-5)
+    assert gates["anchor_open_share"] == pytest.approx(float((own > 0).double().mean()))
+    assert gates["negative_max_gate"] == pytest.approx(float(negatives.max()), abs=1e-5)
+    # a gate opens where the score passes the dead zone's edge; rounding decides within 1e-5 of it
+    scores = torch.cat([roll["pool"], roll["specific"]]).double() @ op.addresses.double().T
+    edge = open_score_floor(op.thresholds.double(), op.temperatures.double(), op.gate_eps)
+    clearly, barely = ((scores > edge + d).any(1).double().mean() for d in (1e-5, -1e-5))
+    assert clearly <= gates["negative_any_open_share"] <= barely and barely > 0
+
+
 def test_resume_after_interruption(tmp_path, monkeypatch):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     cfg = _tiny_cfg(tmp_path)
@@ -87,6 +116,10 @@ def test_resume_after_interruption(tmp_path, monkeypatch):
     assert sum("resumed from checkpoint" in m for m in seen) == 6  # stages 2-7
     fresh = build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "fresh", log=None)
     assert op.fingerprint() == fresh.fingerprint()
+    # the negatives' gate counts of stage 7 come back with its checkpoint
+    gates = [json.loads((tmp_path / d / "build_report.json").read_text())["stages"]["gates"] for d in ("run", "fresh")]
+    assert {k: v for k, v in gates[0].items() if "seconds" not in k and k != "peak_rss_gib"} == {
+        k: v for k, v in gates[1].items() if "seconds" not in k and k != "peak_rss_gib"}
     # a later-stage change keeps the earlier checkpoints
     seen.clear()
     build_operator(model, tok, _edits(), _tiny_cfg(tmp_path, finetune_steps=1), out_dir=tmp_path / "run", log=seen.append)
