@@ -147,15 +147,19 @@ def refine_addresses(
     V = V0.clone().requires_grad_(True)
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0)
     margin = cfg.refine_margin * norms.squeeze(1)
+    if not 0.0 <= cfg.refine_flat_stop < 1.0:
+        raise ValueError(f"refine_flat_stop must be in [0, 1), got {cfg.refine_flat_stop}")
     losses: list[float] = []
     hard_h, terms = None, None
+    at_remine: float | None = None  # the loss at the last re-mining, where every slot is scored
     bar = tqdm(range(cfg.refine_steps), desc="stage 4: address refinement", leave=False)
     for step in bar:
         # the last third runs on the required anchors alone, from freshly mined negatives: it
         # restores the request's margin wherever the pull towards the paraphrases cost it
         soft_now = soft_phase and step < soft_steps
         boundary = soft_phase and step == soft_steps
-        if hard_h is None or step % cfg.refine_remine_every == 0 or boundary:
+        remine = hard_h is None or step % cfg.refine_remine_every == 0 or boundary
+        if remine:
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
             terms = None
         if terms is None or boundary or (cfg.refine_active_every > 0 and step % cfg.refine_active_every == 0):
@@ -170,6 +174,12 @@ def refine_addresses(
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
         losses.append(float(loss.detach()))
+        if remine and cfg.refine_flat_stop > 0 and not soft_now:
+            # between re-minings the loss fell by less than refine_flat_stop of itself: the slots
+            # still violating are those no step moves (a rise means newly mined negatives: go on)
+            if at_remine is not None and (1 - cfg.refine_flat_stop) * at_remine <= losses[-1] <= at_remine:
+                break
+            at_remine = losses[-1]
         if losses[-1] == 0.0 and step % cfg.refine_remine_every != 0:
             # every slot clears its margin against the mined negatives: re-mine to confirm
             _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)

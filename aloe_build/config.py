@@ -114,6 +114,10 @@ class BuildConfig:
     # re-mining); a slot that meets its margin stays where it is until then (0: every slot, every
     # step). The cost of a step then follows the slots still violating, not the stream's size.
     refine_active_every: int = _at(4, 25)
+    # Stop at a re-mining once the loss there is within this fraction below the loss at the
+    # previous one (the slots left violating are the inseparable ones; a rise, from newly mined
+    # negatives, goes on). 0: run every step unless every slot meets its margin.
+    refine_flat_stop: float = _at(4, 0.0)
     # weight of the paraphrase positives' own hinges (they stay out of the worst-anchor term, so
     # that a paraphrase the address cannot reach never makes its slot inseparable)
     refine_soft_weight: float = _at(4, 1.0)

@@ -290,7 +290,8 @@ class _Build:
         V0, anchors, owner, neg, same, soft = self.on_device(V0, roll, negatives, same_prompt, soft)
         V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft)
         info = {"steps": len(losses), "loss_first": losses[0] if losses else None,
-                "loss_last": losses[-1] if losses else None}
+                "loss_last": losses[-1] if losses else None,
+                "loss_at_remine": losses[:: self.cfg.refine_remine_every]}
         return {"V": V.cpu()}, info
 
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:

@@ -96,6 +96,26 @@ def test_refinement_on_the_violating_slots_only():
     torch.testing.assert_close(V_act.norm(dim=1), V0.norm(dim=1), rtol=1e-4, atol=1e-5)
 
 
+def test_refinement_stops_where_the_loss_at_remining_is_flat():
+    """refine_flat_stop: with a slot no address can separate (one of its own negatives is one of
+    its anchors) the loss never reaches 0; the refinement then stops at the first re-mining whose
+    loss is within the fraction below the previous re-mining's, and without it runs every step."""
+    V0, anchors, owner, neg, same = _synthetic()
+    neg.specific[0] = anchors[owner == 0][0]  # slot 0 is inseparable
+    base = dict(refine_steps=600, refine_remine_every=50, refine_hard_negatives=8)
+    _, every_step = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**base))
+    assert len(every_step) == 600 and min(every_step) > 0
+    _, stopped = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**base, refine_flat_stop=0.05))
+    last = len(stopped) - 1
+    assert last % 50 == 0 and 50 <= last < 600
+    assert stopped == pytest.approx(every_step[: len(stopped)], rel=1e-6)  # the same run up to the stop
+    at_remine = stopped[::50]
+    assert 0.95 * at_remine[-2] <= at_remine[-1] <= at_remine[-2]
+    assert all(not (0.95 * a <= b <= a) for a, b in zip(at_remine[:-2], at_remine[1:-1]))
+    with pytest.raises(ValueError, match="refine_flat_stop"):
+        addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**base, refine_flat_stop=1.0))
+
+
 def test_calibration_separable_slot_properties():
     V0, anchors, owner, neg, same = _synthetic()
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
