@@ -122,8 +122,14 @@ def gates_in_chunks(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperat
     """Gates of many states, ``chunk`` rows at a time (float32), for a tensor or several read in
     place: the dense gates of all negatives at once (N x n) could take gigabytes."""
     for part in [parts] if isinstance(parts, torch.Tensor) else parts:
-        for start in range(0, part.shape[0], chunk):
-            yield gates_of(part[start: start + chunk], op)
+        for _, G in _pieces(part, op, chunk):
+            yield G
+
+
+def _pieces(states: torch.Tensor, op: AloeOperator, chunk: int = 16384) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, gates) of ``states``, ``chunk`` rows at a time."""
+    for start in range(0, states.shape[0], chunk):
+        yield start, gates_of(states[start: start + chunk], op)
 
 
 @dataclass
@@ -160,14 +166,20 @@ def ridge_writes(
     negative at every slot is the stage's cost, so ``tally``, if given, also counts their gates
     (the build report's gate statistics need the same pass).
     """
-    Gp = gates_of(anchors, op).double()  # (A, n)
-    Y = Gp[torch.arange(len(anchor_owner)), anchor_owner][:, None] * deltas.double()[anchor_owner]  # (A, d_out)
-    A = _gram(Gp) + cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
+    A = cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
+    rhs = torch.zeros(op.n, deltas.shape[1], dtype=torch.float64)  # G+^T Y
+    # the anchors' gates (A, n) in pieces too: dense, they alone would take gigabytes at 10,000 edits
+    for lo, Gp in _pieces(anchors, op):
+        owner = anchor_owner[lo: lo + Gp.shape[0]]
+        Gp = Gp.double()
+        Y = Gp[torch.arange(len(owner)), owner][:, None] * deltas.double()[owner]  # (piece, d_out)
+        A += _gram(Gp)
+        rhs += torch.sparse.mm(Gp.to_sparse().t(), Y)
     for Gn in gates_in_chunks(negatives, op):
         if tally is not None:
             tally.add(Gn)
         A += cfg.ridge_lambda * _gram(Gn.double())
-    writes = torch.linalg.solve(A, Gp.T @ Y)  # (n, d_out)
+    writes = torch.linalg.solve(A, rhs)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")
     return writes.float()

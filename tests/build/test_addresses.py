@@ -293,7 +293,7 @@ def test_recalibrate_shuts_what_a_slot_separates_and_keeps_its_own_fact_open():
     assert gates_of(above, op)[0, 1] > 0.9
 
 
-def test_ridge_gram_through_open_gates_equals_dense_formula():
+def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
     """Stage 7 on gates that are mostly exactly 0 (the sparse Gram) against the dense float64
     formula of paper Eq. 6 written out here."""
     from aloe_build.writes import gates_in_chunks
@@ -314,3 +314,10 @@ def test_ridge_gram_through_open_gates_equals_dense_formula():
     want = torch.linalg.solve(Gp.T @ Gp + 0.7 * Gn.T @ Gn + 1e-3 * torch.eye(9, dtype=torch.float64), Gp.T @ Y)
     got = ridge_writes(deltas, anchors, owner, negatives, op, cfg)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # anchors and negatives gated a few rows at a time (as at 10,000 edits): the same solve
+    import aloe_build.writes as writes
+
+    whole = writes._pieces
+    monkeypatch.setattr(writes, "_pieces", lambda states, op, chunk=0: whole(states, op, 4))
+    torch.testing.assert_close(ridge_writes(deltas, anchors, owner, negatives, op, cfg).double(), want,
+                               rtol=1e-5, atol=1e-6)
