@@ -4,6 +4,8 @@ The same base model is served three ways (same prompts, same run, greedy,
 ``ignore_eos`` so every configuration emits the same number of tokens):
 
 - ``base``: the unedited model (``LlamaForCausalLM``);
+- ``aloe-real-<n>``: the model exported with an operator that ``aloe build``
+  made (``--operator``, repeatable; served at its own layer);
 - ``aloe-1301`` / ``aloe-10000``: the model exported with an operator of that
   many edits (``aloe export-vllm``). Addresses are random unit vectors whose
   thresholds are calibrated on real down_proj inputs of the base model (layer
@@ -178,7 +180,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="base model directory or 'smollm2'")
     p.add_argument("--layer", type=int, default=14)
-    p.add_argument("--edits", default="1301,10000", help="comma-separated operator sizes")
+    p.add_argument("--edits", default="1301,10000", help="comma-separated sizes of random operators ('' for none)")
+    p.add_argument("--operator", action="append", default=[],
+                   help="an operator built by `aloe build` for the base model, served at its own layer (repeatable)")
     p.add_argument("--open-fraction", type=float, default=0.02,
                    help="target fraction of tokens that open some edit (Gaussian-tail calibration)")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -199,11 +203,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_configs(args: argparse.Namespace, work: Path) -> tuple[Path, list[tuple]]:
     """The base model directory and the configurations: ``(name, n_edits, model_dir, open_stats)``.
 
-    One per operator size besides ``base``: an operator calibrated on the base
-    model's down_proj inputs, saved and exported under ``work``.
+    Besides ``base``: each built operator of ``--operator``, then one per random operator size, an
+    operator calibrated on the base model's down_proj inputs; all saved and exported under ``work``.
     """
     from aloe_build.models import load_model
-    from aloe_kernels import weight_fingerprint
+    from aloe_kernels import AloeOperator, weight_fingerprint
     from aloe_kernels.hf import locate_down_proj
     from aloe_vllm.export import export_vllm, resolve_base
     from benchmarks.vllm_inputs import random_sparse_operator
@@ -216,6 +220,13 @@ def build_configs(args: argparse.Namespace, work: Path) -> tuple[Path, list[tupl
     calib = _states(model, tok, calib_texts, args.layer)
     hold = _states(model, tok, hold_texts, args.layer)
     configs = [("base", 0, base_dir, None)]
+    for path in args.operator:
+        op = AloeOperator.load(path)
+        serve = export_vllm(base_dir, path, work / f"serve-real-{op.n}", overwrite=True)
+        stats = {"calibration": _open_stats(op, _states(model, tok, calib_texts, op.layer)),
+                 "heldout": _open_stats(op, _states(model, tok, hold_texts, op.layer))}
+        configs.append((f"aloe-real-{op.n}", op.n, serve, stats))
+        print(f"aloe-real-{op.n} ({path}, layer {op.layer}): open stats {stats}", flush=True)
     for n in [int(x) for x in args.edits.split(",") if x]:
         op = random_sparse_operator(n, site.d, site.d_out, states=calib, open_fraction=args.open_fraction,
                                     write_scale=0.05, seed=n, layer=args.layer, weight_fingerprint=fp)
@@ -249,7 +260,8 @@ def summary_rows(configs: list[tuple], samples: dict, shares: dict) -> list[dict
 
 
 def _settings(args: argparse.Namespace, base_dir: Path) -> dict:
-    return {"model": str(base_dir), "layer": args.layer, "dtype": args.dtype,
+    return {"model": str(base_dir), "layer": args.layer, "operators": [str(p) for p in args.operator],
+            "dtype": args.dtype,
             "mode": "eager" if args.eager else "compiled (vLLM default on CPU)",
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
             "replicas": args.replicas,
