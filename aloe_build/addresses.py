@@ -98,6 +98,11 @@ class NegativeSet:
         return best_s, best_h
 
 
+# rows of a per-anchor temporary: 2,048 x d floats stay below the size at which glibc maps each
+# allocation afresh (32 MiB) for d up to 4,096
+_ROWS = 2048
+
+
 def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
     """min_{h in P_i} v_i^T h for every slot (+inf for a slot without anchors). The minimising
     anchor is found without autograd and the gradient flows through one dot product per slot, the
@@ -106,7 +111,10 @@ def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tenso
     if m == 0:
         return torch.full((n,), math.inf, dtype=V.dtype, device=V.device)
     with torch.no_grad():
-        s = (V[owner] * anchors).sum(-1)
+        # in pieces: V[owner] for every anchor at once is a fresh block of hundreds of megabytes at
+        # every step of a large build, which the allocator maps and the kernel zeroes each time
+        s = torch.cat([torch.einsum("ad,ad->a", V[owner[j: j + _ROWS]], anchors[j: j + _ROWS])
+                       for j in range(0, m, _ROWS)])
         low = torch.full((n,), math.inf, dtype=s.dtype, device=s.device).scatter_reduce(0, owner, s, reduce="amin")
         at_min = s == low[owner]
         first = torch.full((n,), m, dtype=torch.long, device=owner.device).scatter_reduce(
