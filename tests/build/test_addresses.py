@@ -60,6 +60,25 @@ def test_negative_top_matches_brute_force():
         torch.testing.assert_close(got_h[i] @ V[i], want)
 
 
+def test_min_anchor_scores_over_many_pieces_match_a_brute_force():
+    """More anchors than one piece of rows holds (5,000 > 2,048): every slot's lowest anchor score,
+    +inf for a slot with none, and the gradient of that minimum (the minimising anchor itself)."""
+    g = torch.Generator().manual_seed(7)
+    n, m, d = 9, 5000, 12
+    V = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    anchors = torch.randn(m, d, generator=g, dtype=torch.float64)
+    owner = torch.randint(0, n - 1, (m,), generator=g)  # slot n-1 has no anchors
+    got = addr.min_anchor_scores(V, anchors, owner)
+    want = torch.stack([(anchors[owner == i] @ V[i].detach()).min() if (owner == i).any()
+                        else torch.tensor(math.inf, dtype=torch.float64) for i in range(n)])
+    torch.testing.assert_close(got.detach(), want)
+    got[:-1].sum().backward()
+    for i in range(n - 1):
+        mine = anchors[owner == i]
+        torch.testing.assert_close(V.grad[i], mine[(mine @ V[i].detach()).argmin()])
+    assert torch.equal(V.grad[-1], torch.zeros(d, dtype=torch.float64))
+
+
 def test_refinement_loss_falls_and_norms_kept():
     V0, anchors, owner, neg, same = _synthetic()
     cfg = BuildConfig(refine_steps=300, refine_remine_every=50, refine_hard_negatives=8)
