@@ -167,10 +167,12 @@ CORPUS_FIELDS = ("encoder_corpus", "encoder_records", "encoder_same_subject")
 
 def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig, corpus_only: bool = False) -> str:
     """Key of an encoder in the cache: model weight, layer, corpus and the stage-1 settings (not the
-    cache's place); with ``corpus_only``, only what decides the corpus items (the shared negatives' key)."""
+    cache's place); with ``corpus_only``, only what decides the corpus items (the shared negatives' key).
+    The corpus counts by its content, not its path: a checkout elsewhere reuses the cache, and a file
+    rewritten in place does not."""
     fields = {k: v for k, v in cfg.fields_of(1).items()
               if k != "encoder_cache" and (not corpus_only or k in CORPUS_FIELDS)}
+    corpus = hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest()
     h = hashlib.sha256()
-    h.update(json.dumps([fingerprint, layer, str(Path(corpus_path).resolve()), corpus_path.stat().st_size,
-                         fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())
+    h.update(json.dumps([fingerprint, layer, corpus, fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())
     return h.hexdigest()[:16]

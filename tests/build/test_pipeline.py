@@ -542,3 +542,19 @@ def test_anchor_positions_leave_out_target_tokens_the_model_predicts():
         list(range(len(p) - 1, len(p) + 3)) for p in prompts]
     assert _anchor_positions(model, tok, prompts, targets, 2, False, 2)[1] == [len(prompts[1]) - 1]
 
+
+
+def test_encoder_cache_key_follows_the_corpus_content_not_its_path(tmp_path):
+    """The same corpus in another directory (another checkout) shares the cache; a corpus file
+    rewritten in place, even with the same size, does not."""
+    from aloe_build.encoder import cache_key
+
+    cfg = _tiny_cfg(tmp_path)
+    here = _tiny_corpus(tmp_path / "a" / "corpus.jsonl")
+    there = _tiny_corpus(tmp_path / "b" / "corpus.jsonl")
+    assert cache_key("w", 1, here, cfg) == cache_key("w", 1, there, cfg)
+    text = here.read_text()
+    here.write_text(text.replace("Paris", "Pares"))  # same size, other content
+    assert here.stat().st_size == there.stat().st_size
+    assert cache_key("w", 1, here, cfg) != cache_key("w", 1, there, cfg)
+    assert cache_key("w", 1, here, cfg, corpus_only=True) != cache_key("w", 1, there, cfg, corpus_only=True)
