@@ -116,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``aloe`` console script."""
+    from .memory import keep_freed_memory
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    keep_freed_memory()
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
