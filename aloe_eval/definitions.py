@@ -18,6 +18,9 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "paper.locality": "share of locality prompts whose greedy generation of k tokens (k = tokens of the first "
     "ground truth, clipped to [1, 16]; 8 without one) is token-for-token unchanged from the unedited model's; mean "
     "per edit, then over edits",
+    "paper.locality_outside_stream": "paper.locality over the locality prompts that are not the request of an edit "
+    "of the scored stream (a large stream edits some of its own neighbourhood prompts, whose answers are then meant "
+    "to change); mean per edit over such prompts, then over edits that have one",
     "paper.portability": "exact match of the greedy generation to any accepted answer; mean per edit, then over edits",
     "easyedit.rewrite_acc": "EasyEdit teacher-forced token accuracy on prompt + ' ' + target_new",
     "easyedit.rephrase_acc": "EasyEdit teacher-forced token accuracy on rephrase + ' ' + target_new",

@@ -39,6 +39,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         p = e["summary"]["paper"]
         lines.append(f"| {name} | {_f(p['efficacy'])} | {_f(p['generalization'])} | {_f(p['locality'])} | "
                      f"{_f(p['portability'])} |")
+    for name, e in eds.items():
+        left_out = e["summary"]["counts"].get("locality_prompts_edited_in_stream")
+        if left_out:
+            lines.append(f"\n{name}: {left_out} locality prompts are requests of edits in this stream (their "
+                         f"answers are meant to change); locality without them "
+                         f"{_f(e['summary']['paper'].get('locality_outside_stream'))}.")
     kinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["portability_by_kind"]})
     lkinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["locality_by_kind"]})
     if len(lkinds) > 1 or kinds:

@@ -60,6 +60,20 @@ def row_statistics(rows: list[dict], slots: bool) -> dict[str, Any]:
     return st
 
 
+def locality_outside_stream(rows: list[dict]) -> tuple[float | None, int]:
+    """``paper.locality`` without the locality prompts that some edit of the stream asks as its
+    request (CounterFact's neighbourhood prompts of one record are other records' requests): the
+    mean per edit over its other prompts, then over edits with one, and how many prompts were left out."""
+    requests = {r["prompt"] for r in rows}
+    per_edit, left_out = [], 0
+    for r in rows:
+        kept = [x["stable"] for x in r["locality_prompts"] if x["prompt"] not in requests]
+        left_out += len(r["locality_prompts"]) - len(kept)
+        if kept:
+            per_edit.append(sum(kept) / len(kept))
+    return mean(per_edit), left_out
+
+
 def gate_plot_data(rows: list[dict]) -> dict[str, list[float]]:
     """The gates the plots show: matched gates of requests and rephrases, locality max gates."""
     st = row_statistics(rows, True)
@@ -75,6 +89,7 @@ def summarize(rows: list[dict], *, slots: bool, open_threshold: float) -> dict[s
     n_reph = sum(len(r["rephrases"]) for r in rows)
     n_loc = sum(len(r["locality_prompts"]) for r in rows)
     n_port = sum(len(r["portability_prompts"]) for r in rows)
+    outside, edited_in_stream = locality_outside_stream(rows)
     s: dict[str, Any] = {
         "counts": {
             "edits": len(rows),
@@ -84,11 +99,13 @@ def summarize(rows: list[dict], *, slots: bool, open_threshold: float) -> dict[s
             "edits_with_rephrases": sum(1 for r in rows if r["rephrases"]),
             "edits_with_locality": sum(1 for r in rows if r["locality_prompts"]),
             "edits_with_portability": sum(1 for r in rows if r["portability_prompts"]),
+            "locality_prompts_edited_in_stream": edited_in_stream,
         },
         "paper": {
             "efficacy": mean(r["efficacy"] for r in rows),
             "generalization": mean(r["generalization"] for r in rows),
             "locality": mean(r["locality"] for r in rows),
+            "locality_outside_stream": outside,
             "portability": mean(r["portability"] for r in rows),
             "locality_by_kind": _macro_by_kind(rows, "locality_prompts", "stable"),
             "portability_by_kind": _macro_by_kind(rows, "portability_prompts", "em"),
