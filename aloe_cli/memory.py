@@ -5,7 +5,7 @@ block there is freed), so a loop that makes and drops large temporaries, as the 
 every step, has the kernel fault in and zero the same amount of memory again each time. With
 ``mmap`` off and a high trim threshold the heap keeps freed blocks for reuse. Measured on stage 4
 of an 839-edit build (docs/results.md, "Build cost at scale"): 18-25 million page faults become 0.5
-million and the process's CPU time (user and system) falls by 14-19%, the same addresses, for 9%
+million and the process's CPU time (user and system) falls by 14-19%, the same addresses, for 1-9%
 more peak memory. Set ``ALOE_KEEP_FREED_MEMORY=0`` to leave the allocator as it is.
 """
 
