@@ -40,8 +40,7 @@ def _generate(model, inputs: dict, tokens: int) -> float:
     """Seconds for one greedy generation of exactly ``tokens`` new tokens."""
     t = time.perf_counter()
     with torch.no_grad():
-        model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                       pad_token_id=inputs["pad_token_id"])
+        model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     return time.perf_counter() - t
 
 
