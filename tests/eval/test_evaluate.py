@@ -147,7 +147,8 @@ def test_report_schema_json_markdown_and_plots(tiny, tmp_path):
                         "rephrases", "locality", "locality_prompts", "portability", "portability_prompts",
                         "request_gate", "request_failure"}
     assert s["counts"] == {"edits": 3, "rephrases": 3, "locality_prompts": 4, "portability_prompts": 1,
-                           "edits_with_rephrases": 2, "edits_with_locality": 3, "edits_with_portability": 1}
+                           "edits_with_rephrases": 2, "edits_with_locality": 3, "edits_with_portability": 1,
+                           "locality_prompts_edited_in_stream": 0}
     assert s["paper"]["portability_by_kind"].keys() == {"reasoning"}
     paths = rep.save(tmp_path / "out")
     assert paths["json"].is_file() and paths["markdown"].is_file()
