@@ -4,7 +4,8 @@ Greedy generation of ``--tokens`` new tokens (exactly that many: ``min_new_token
 of prompts, timed with ``apply_aloe`` and without in alternating rounds of the same process, the
 order reversed every other round, so that machine noise hits both alike. Overhead = 1 -
 median(patched tok/s) / median(base tok/s); paired overhead = 1 - median over rounds of
-patched / base. Also reports how many of the prompts' decoded tokens open any gate.
+patched / base. Also reports the share of the prompts' token positions that open any gate
+(the prompts and the gate statistics of ``benchmarks.bench_vllm``).
 
     python -m benchmarks.hf_decode_cpu --operator runs/cf4000 --batch 1,8 --out benchmarks/results/hf_decode_cpu
 """
@@ -21,19 +22,8 @@ from pathlib import Path
 import torch
 
 from aloe_build.models import load_model
-from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
-from aloe_kernels.hf import locate_down_proj
-
-PROMPTS = [
-    "The Eiffel Tower is located in the city of",
-    "Write a short story about a robot who learns to paint.",
-    "Explain why the sky is blue in simple terms.",
-    "List three uses of copper in modern electronics:",
-    "The capital of Australia is",
-    "Translate to French: The weather is nice today.",
-    "Give me a recipe for a quick vegetable soup.",
-    "What are the main causes of the French Revolution?",
-]
+from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
+from benchmarks.bench_vllm import PROMPTS, _open_stats, _states
 
 
 def _generate(model, inputs: dict, tokens: int) -> float:
@@ -46,17 +36,7 @@ def _generate(model, inputs: dict, tokens: int) -> float:
 
 def _open_share(model, tok, op: AloeOperator, texts: list[str]) -> float:
     """Share of the prompts' token positions at which some gate of ``op`` opens."""
-    site = locate_down_proj(model, op.layer)
-    rows: list[torch.Tensor] = []
-    handle = site.module.register_forward_pre_hook(lambda _m, a: rows.append(a[0][0].detach().float().clone()))
-    try:
-        with torch.no_grad():
-            for t in texts:
-                model(input_ids=tok(t, return_tensors="pt").input_ids)
-    finally:
-        handle.remove()
-    g = aloe_gates(torch.cat(rows), op)
-    return float((g > 0).any(1).double().mean())
+    return 1.0 - _open_stats(op, _states(model, tok, texts, op.layer))["open0"]
 
 
 def measure(model, tok, op: AloeOperator, batch: int, tokens: int, rounds: int) -> dict:
