@@ -60,11 +60,12 @@ def row_statistics(rows: list[dict], slots: bool) -> dict[str, Any]:
     return st
 
 
-def locality_outside_stream(rows: list[dict]) -> tuple[float | None, int]:
+def locality_outside_stream(rows: list[dict], requests: set[str] | None = None) -> tuple[float | None, int]:
     """``paper.locality`` without the locality prompts that some edit of the stream asks as its
     request (CounterFact's neighbourhood prompts of one record are other records' requests): the
-    mean per edit over its other prompts, then over edits with one, and how many prompts were left out."""
-    requests = {r["prompt"] for r in rows}
+    mean per edit over its other prompts, then over edits with one, and how many prompts were left out.
+    ``requests`` (default: the rows' own) may name a larger set, an operator's edits scored in part."""
+    requests = {r["prompt"] for r in rows} if requests is None else requests
     per_edit, left_out = [], 0
     for r in rows:
         kept = [x["stable"] for x in r["locality_prompts"] if x["prompt"] not in requests]

@@ -17,6 +17,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from aloe_eval.summary import locality_outside_stream
 from aloe_kernels import AloeOperator
 
 CLASSES = ("no gate open", "own slot", "another slot, asked as its request", "another slot")
@@ -25,15 +26,11 @@ CLASSES = ("no gate open", "own slot", "another slot, asked as its request", "an
 def classify(rows: list[dict], requests: list[str]) -> tuple[Counter, int, float | None]:
     """Counts of changed locality prompts per class, the number of prompts, and locality without
     the prompts some slot asks as its request (mean per edit, then over edits)."""
-    asked = set(requests)
     counts: Counter = Counter()
-    prompts, per_edit = 0, []
+    prompts = 0
     for r in rows:
-        kept = []
         for x in r["locality_prompts"]:
             prompts += 1
-            if x["prompt"] not in asked:
-                kept.append(x["stable"])
             if x["stable"] >= 1:
                 continue
             slot, gate = x.get("max_slot"), x.get("max_gate") or 0.0
@@ -45,9 +42,7 @@ def classify(rows: list[dict], requests: list[str]) -> tuple[Counter, int, float
                 counts[CLASSES[2]] += 1
             else:
                 counts[CLASSES[3]] += 1
-        if kept:
-            per_edit.append(sum(kept) / len(kept))
-    return counts, prompts, sum(per_edit) / len(per_edit) if per_edit else None
+    return counts, prompts, locality_outside_stream(rows, set(requests))[0]
 
 
 def main(argv: list[str] | None = None) -> dict:

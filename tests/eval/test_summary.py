@@ -20,3 +20,5 @@ def test_locality_outside_stream_leaves_out_prompts_the_stream_edits():
     assert left_out == 2
     assert got == pytest.approx((1.0 + 0.5) / 2)
     assert locality_outside_stream([row("A is", ("B is", 1.0))]) == (1.0, 0)
+    # an operator's edits beyond the rows scored: "B is" is one of them
+    assert locality_outside_stream([row("A is", ("B is", 0.0), ("E is", 1.0))], {"A is", "B is"}) == (1.0, 1)
