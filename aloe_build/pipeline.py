@@ -402,9 +402,9 @@ def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives, ridge_report
     V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
     own = gates_from_scores((anchors.float() * V[anchor_owner]).sum(-1), tau[anchor_owner], alpha[anchor_owner],
                             op.gate_eps)
-    negative = {k: ridge_report[k] for k in NegativeGateTally().summary() if k in ridge_report}
-    if len(negative) < 2:
-        tally = NegativeGateTally()
+    tally = NegativeGateTally()
+    negative = {k: ridge_report[k] for k in tally.summary() if k in ridge_report}
+    if negative.keys() != tally.summary().keys():
         for g in gates_in_chunks(negatives, op):
             tally.add(g)
         negative = tally.summary()
