@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .checkpoints import PartStore
 from .config import BuildConfig
 
 
@@ -46,56 +47,102 @@ class NegativeSet:
         return self.top(V, same_prompt, 1, chunk)[0][:, 0]
 
     def top(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512,
-            stream_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            stream_rows: int | None = None, candidates: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """The k hardest negatives of every slot: (scores (n, k), states (n, k, d)).
 
-        The set may live on another device than ``V`` (a GPU build keeps large sets on CPU): it is
-        then read in pieces of ``stream_rows`` states (65,536 by default)."""
-        n, d = V.shape
-        best_s = torch.full((n, k), -math.inf, device=V.device)
-        best_h = torch.zeros(n, k, d, device=V.device)
+        The shared states scored are all of them, or with ``candidates`` (from
+        :meth:`shared_candidates`) only each slot's own candidates: an index that the refinement
+        mines from between its full passes. The set may live on another device than ``V`` (a GPU
+        build keeps large sets on CPU): it is then read in pieces of ``stream_rows`` states
+        (65,536 by default)."""
         with torch.no_grad():
-            for start in range(0, n, chunk):
-                rows = torch.arange(start, min(n, start + chunk), device=V.device)
-                # states held elsewhere (a GPU build whose negatives stay on CPU) come over in pieces
-                step = stream_rows or (self.shared.shape[0] if self.shared.device == V.device else 65536)
-                for lo in range(0, max(1, self.shared.shape[0]), step):
-                    part = self.shared[lo: lo + step].to(V.device)
-                    owner = self.shared_owner[lo: lo + step].to(V.device)
-                    s = V[rows] @ part.T  # (r, M)
-                    # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are
-                    # not negatives
-                    blocked = (owner[None, :] >= 0) & same_prompt[rows][:, owner.clamp_min(0)]
-                    s = s.masked_fill(blocked, -math.inf)
-                    kk = min(k, s.shape[1])
-                    if not kk:
-                        continue
-                    vals, idx = s.topk(kk, dim=1)
-                    if lo == 0:
-                        best_s[rows, :kk] = vals
-                        best_h[rows, :kk] = part[idx]
-                    else:  # merge this piece's best with the best so far
-                        vals, pick = torch.cat([best_s[rows], vals], 1).topk(k, dim=1)
-                        cand = torch.cat([best_h[rows], part[idx]], 1)
-                        best_s[rows], best_h[rows] = vals, cand[torch.arange(len(rows), device=V.device)[:, None], pick]
+            if candidates is None:
+                best_s, best_i = self._shared_top(V, same_prompt, k, chunk, stream_rows)
+            else:
+                best_s, best_i = self._candidate_top(V, candidates, k)
             if self.specific.shape[0]:
-                # in chunks: V[owner] for every specific state would be another copy of them all
-                s_spec = torch.cat([
-                    torch.einsum("sd,sd->s", V[self.specific_owner[j: j + 16384].to(V.device)],
-                                 self.specific[j: j + 16384].to(V.device))
-                    for j in range(0, self.specific.shape[0], 16384)])
-                # each slot's own states by one sort, not a scan of all of them per slot
-                order = torch.argsort(self.specific_owner, stable=True)
-                ends = torch.bincount(self.specific_owner, minlength=n).cumsum(0).tolist()
-                for i in range(n):
-                    sel = order[(ends[i - 1] if i else 0): ends[i]]
-                    if sel.numel() == 0:
-                        continue
-                    cand_s = torch.cat([best_s[i], s_spec[sel.to(V.device)]])
-                    cand_h = torch.cat([best_h[i], self.specific[sel].to(V.device)])
-                    vals, idx = cand_s.topk(k)
-                    best_s[i], best_h[i] = vals, cand_h[idx]
-        return best_s, best_h
+                best_s, best_i = self._merge_specific(V, best_s, best_i, k)
+            return best_s, self._states(best_i, V.device)
+
+    def shared_candidates(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512,
+                          stream_rows: int | None = None) -> torch.Tensor:
+        """Indices (n, k) into ``shared`` of each slot's k highest-scoring shared states that are its
+        negatives (-1 where it has fewer)."""
+        with torch.no_grad():
+            return self._shared_top(V, same_prompt, k, chunk, stream_rows)[1]
+
+    def _shared_top(self, V, same_prompt, k, chunk, stream_rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores and indices into ``shared`` of each slot's k best shared negatives (-inf and -1
+        where it has fewer)."""
+        n = V.shape[0]
+        best_s = torch.full((n, k), -math.inf, dtype=V.dtype, device=V.device)
+        best_i = torch.full((n, k), -1, dtype=torch.long, device=V.device)
+        # states held elsewhere (a GPU build whose negatives stay on CPU) come over in pieces
+        step = max(1, stream_rows or (self.shared.shape[0] if self.shared.device == V.device else 65536))
+        for start in range(0, n, chunk):
+            rows = torch.arange(start, min(n, start + chunk), device=V.device)
+            for lo in range(0, self.shared.shape[0], step):
+                part = self.shared[lo: lo + step].to(V.device)
+                owner = self.shared_owner[lo: lo + step].to(V.device)
+                s = V[rows] @ part.T  # (r, M)
+                # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are
+                # not negatives
+                blocked = (owner[None, :] >= 0) & same_prompt[rows][:, owner.clamp_min(0)]
+                s = s.masked_fill(blocked, -math.inf)
+                vals, idx = s.topk(min(k, s.shape[1]), dim=1)
+                # merge this piece's best with the best so far
+                vals, pick = torch.cat([best_s[rows], vals], 1).topk(k, dim=1)
+                best_s[rows], best_i[rows] = vals, torch.cat([best_i[rows], idx + lo], 1).gather(1, pick)
+        return best_s, best_i.masked_fill(best_s == -math.inf, -1)
+
+    def _candidate_top(self, V, candidates, k, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`_shared_top`, scoring each slot's candidates only (in chunks of slots: the
+        gathered states are chunk x candidates x d)."""
+        n = V.shape[0]
+        best_s = torch.full((n, k), -math.inf, dtype=V.dtype, device=V.device)
+        best_i = torch.full((n, k), -1, dtype=torch.long, device=V.device)
+        kk = min(k, candidates.shape[1])
+        for start in range(0, n, chunk):
+            idx = candidates[start: start + chunk].to(V.device)
+            states = self.shared[idx.clamp_min(0).to(self.shared.device)].to(V.device)
+            s = torch.einsum("rcd,rd->rc", states, V[start: start + chunk]).masked_fill(idx < 0, -math.inf)
+            vals, pick = s.topk(kk, dim=1)
+            best_s[start: start + chunk, :kk] = vals
+            best_i[start: start + chunk, :kk] = idx.gather(1, pick)
+        return best_s, best_i.masked_fill(best_s == -math.inf, -1)
+
+    def _merge_specific(self, V, best_s, best_i, k) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's best k among its shared best and its own specific states; a specific state
+        is indexed ``len(shared) + j``. One sort by owner and a padded (n, most per slot) table,
+        not a scan of all of them per slot."""
+        n, m = V.shape[0], self.shared.shape[0]
+        owner = self.specific_owner.to(V.device)
+        # in chunks: V[owner] for every specific state would be another copy of them all
+        s_spec = torch.cat([
+            torch.einsum("sd,sd->s", V[owner[j: j + 16384]], self.specific[j: j + 16384].to(V.device))
+            for j in range(0, self.specific.shape[0], 16384)])
+        order = torch.argsort(owner, stable=True)
+        counts = torch.bincount(owner, minlength=n)
+        starts = counts.cumsum(0) - counts
+        col = torch.arange(int(counts.max()), device=V.device)
+        present = col[None, :] < counts[:, None]
+        sel = order[(starts[:, None] + col[None, :]).clamp_max(order.numel() - 1)]  # (n, most)
+        spec_s = s_spec[sel].masked_fill(~present, -math.inf)
+        vals, pick = torch.cat([best_s, spec_s], 1).topk(k, dim=1)
+        index = torch.cat([best_i, (sel + m).masked_fill(~present, -1)], 1).gather(1, pick)
+        return vals, index.masked_fill(vals == -math.inf, -1)
+
+    def _states(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The states (n, k, d) of combined indices (shared, then specific; zeros for -1)."""
+        m = self.shared.shape[0]
+        flat = index.reshape(-1).to(self.shared.device)
+        out = torch.zeros(flat.numel(), self.shared.shape[1], dtype=self.shared.dtype, device=device)
+        for source, chosen, offset in ((self.shared, (flat >= 0) & (flat < m), 0), (self.specific, flat >= m, m)):
+            rows = chosen.nonzero().squeeze(1)
+            if rows.numel():
+                out[rows.to(device)] = source[(flat[rows] - offset).to(source.device)].to(device)
+        return out.reshape(*index.shape, -1)
 
 
 # rows of a per-anchor temporary: 2,048 x d floats stay below the size at which glibc maps each
@@ -140,13 +187,20 @@ def refine_addresses(
     same_prompt: torch.Tensor,
     cfg: BuildConfig,
     soft: torch.Tensor | None = None,
+    parts: PartStore | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Paper Eq. 5 with hard-negative re-mining; returns refined addresses and the loss curve.
 
     ``soft`` marks anchors that are wished for rather than required (paraphrases built from
     construction data): they do not enter the worst-anchor hinge; each adds its own squared hinge,
     weighted by ``refine_soft_weight`` and averaged, that turns the address towards it during the
-    first two thirds of the steps; the last third restores the required anchors' margin."""
+    first two thirds of the steps; the last third restores the required anchors' margin.
+
+    With ``refine_candidates`` a full re-mining (first step, every ``refine_full_remine_every``
+    steps, the end of the soft phase) keeps each slot's best shared negatives, and the re-minings
+    between score only those and the slot's own negatives. With ``parts`` the state at each
+    re-mining is saved there, and an interrupted refinement resumes from the last one it reached
+    with the same result."""
     soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
     n = V0.shape[0]
     norms = V0.norm(dim=1, keepdim=True).clamp_min(1e-12)
@@ -157,10 +211,15 @@ def refine_addresses(
     margin = cfg.refine_margin * norms.squeeze(1)
     if not 0.0 <= cfg.refine_flat_stop < 1.0:
         raise ValueError(f"refine_flat_stop must be in [0, 1), got {cfg.refine_flat_stop}")
+    if cfg.refine_candidates < 0 or cfg.refine_full_remine_every < 1:
+        raise ValueError("refine_candidates must be >= 0 and refine_full_remine_every >= 1, got "
+                         f"{cfg.refine_candidates} and {cfg.refine_full_remine_every}")
+    mining = _Mining(negatives, same_prompt, cfg)
     losses: list[float] = []
     hard_h, terms = None, None
-    at_remine: float | None = None  # the loss at the last re-mining, where every slot is scored
-    bar = tqdm(range(cfg.refine_steps), desc="stage 4: address refinement", leave=False)
+    first, at_remine = _resume(parts, V, opt, mining, losses)
+    bar = tqdm(range(first, cfg.refine_steps), total=cfg.refine_steps, initial=first,
+               desc="stage 4: address refinement", leave=False)
     for step in bar:
         # the last third runs on the required anchors alone, from freshly mined negatives: it
         # restores the request's margin wherever the pull towards the paraphrases cost it
@@ -168,7 +227,9 @@ def refine_addresses(
         boundary = soft_phase and step == soft_steps
         remine = hard_h is None or step % cfg.refine_remine_every == 0 or boundary
         if remine:
-            _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
+            if step > first and step % cfg.refine_remine_every == 0:
+                _save_progress(parts, step, V, opt, mining, losses, at_remine)
+            hard_h = mining.hardest(V, full=boundary or step % cfg.refine_full_remine_every == 0)
             terms = None
         if terms is None or boundary or (cfg.refine_active_every > 0 and step % cfg.refine_active_every == 0):
             everything = torch.ones(n, dtype=torch.bool, device=V.device)
@@ -189,8 +250,8 @@ def refine_addresses(
                 break
             at_remine = losses[-1]
         if losses[-1] == 0.0 and step % cfg.refine_remine_every != 0:
-            # every slot clears its margin against the mined negatives: re-mine to confirm
-            _, hard_h = negatives.top(V.detach(), same_prompt, cfg.refine_hard_negatives)
+            # every slot clears its margin against the mined negatives: confirm against all of them
+            hard_h = mining.hardest(V, full=True)
             check = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, torch.ones(n, dtype=torch.bool,
                                 device=V.device), False)
             if float(check.loss(V.detach(), 0.0)) == 0.0:
@@ -205,6 +266,58 @@ def refine_addresses(
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
     return V.detach(), losses
+
+
+class _Mining:
+    """The refinement's hard negatives: every shared state scored at a full mining, each slot's
+    ``refine_candidates`` best of them (its index) in between."""
+
+    def __init__(self, negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig):
+        self.negatives, self.same_prompt, self.cfg = negatives, same_prompt, cfg
+        self.candidates: torch.Tensor | None = None
+
+    def hardest(self, V: torch.Tensor, full: bool) -> torch.Tensor:
+        """States (n, refine_hard_negatives, d) of each slot's hardest negatives now."""
+        k, V = self.cfg.refine_hard_negatives, V.detach()
+        if self.cfg.refine_candidates <= 0:
+            return self.negatives.top(V, self.same_prompt, k)[1]
+        if full or self.candidates is None:
+            self.candidates = self.negatives.shared_candidates(V, self.same_prompt, self.cfg.refine_candidates)
+        return self.negatives.top(V, self.same_prompt, k, candidates=self.candidates)[1]
+
+
+def _save_progress(parts: PartStore | None, step: int, V: torch.Tensor, opt: torch.optim.Optimizer,
+                   mining: _Mining, losses: list[float], at_remine: float | None) -> None:
+    """The refinement's state at the start of ``step`` (a re-mining step)."""
+    if parts is None:
+        return
+    state = opt.state.get(V, {})
+    tensors = {"step": torch.tensor(step), "V": V.detach(), "losses": torch.tensor(losses, dtype=torch.float64),
+               "at_remine": torch.tensor(math.nan if at_remine is None else at_remine, dtype=torch.float64)}
+    tensors.update({f"adam_{name}": torch.as_tensor(value) for name, value in state.items()})
+    if mining.candidates is not None:
+        tensors["candidates"] = mining.candidates
+    parts.put("progress", {name: t.cpu() for name, t in tensors.items()})
+
+
+def _resume(parts: PartStore | None, V: torch.Tensor, opt: torch.optim.Optimizer, mining: _Mining,
+            losses: list[float]) -> tuple[int, float | None]:
+    """Restore the state saved by :func:`_save_progress`; returns the step to go on from (0: none)
+    and the loss at the last re-mining."""
+    saved = parts.get("progress") if parts is not None else None
+    if saved is None:
+        return 0, None
+    with torch.no_grad():
+        V.copy_(saved["V"].to(V.device))
+    state = {name[len("adam_"):]: t.to(V.device) if t.dim() else t for name, t in saved.items()
+             if name.startswith("adam_")}
+    if state:
+        opt.state[V] = state
+    if "candidates" in saved:
+        mining.candidates = saved["candidates"].to(V.device)
+    losses += saved["losses"].tolist()
+    at_remine = float(saved["at_remine"])
+    return int(saved["step"]), None if math.isnan(at_remine) else at_remine
 
 
 class _HingeTerms:

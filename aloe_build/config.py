@@ -110,6 +110,11 @@ class BuildConfig:
     refine_margin: float = _at(4, 0.1)  # m_i as a fraction of |v_i|
     refine_hard_negatives: int = _at(4, 32)  # negatives per edit kept between re-minings
     refine_remine_every: int = _at(4, 250)
+    # Shared negatives kept per slot at a full re-mining (the first step, every
+    # refine_full_remine_every steps): the re-minings between score only these and the slot's own
+    # negatives, not the whole pool, which grows with the stream (0: every re-mining is full).
+    refine_candidates: int = _at(4, 512)
+    refine_full_remine_every: int = _at(4, 1000)
     # Steps run on the slots whose hinge is not yet met, re-selected this often (and at every
     # re-mining); a slot that meets its margin stays where it is until then (0: every slot, every
     # step). The cost of a step then follows the slots still violating, not the stream's size.

@@ -288,7 +288,7 @@ class _Build:
 
     def refine(self, V0, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V0, anchors, owner, neg, same, soft = self.on_device(V0, roll, negatives, same_prompt, soft)
-        V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft)
+        V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"))
         info = {"steps": len(losses), "loss_first": losses[0] if losses else None,
                 "loss_last": losses[-1] if losses else None,
                 "loss_at_remine": losses[:: self.cfg.refine_remine_every]}

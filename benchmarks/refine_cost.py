@@ -1,7 +1,10 @@
-"""Stage 4 on a build's checkpoints: refinement on the slots still violating against every slot in
-every step, timed in the same process, with the calibration each gives.
+"""Stage 4 on a build's checkpoints: settings of the refinement timed in the same process, with the
+calibration each gives (by default, refinement on the slots still violating against every slot in
+every step; ``--variant`` compares any stage-4 settings).
 
     python -m benchmarks.refine_cost runs/cf839 --edits $DATA/counterfact/counterfact-val.json --limit 839
+    python -m benchmarks.refine_cost runs/cf839 --edits runs/cf-stream.jsonl --limit 839 \
+        --variant refine_candidates=0 --variant refine_candidates=512
 
 The build must use the default settings of stages 2-3 (no soft anchors: positives_same_relation 0).
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--every", type=int, nargs="+", default=[0, BuildConfig().refine_active_every],
                     help="refine_active_every values to time (0: every slot, every step)")
+    ap.add_argument("--variant", action="append", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="stage-4 settings to time instead of --every (repeat the flag per variant)")
     args = ap.parse_args(argv)
     ckpt = Path(args.build_dir) / "checkpoints"
     roll = load_file(str(ckpt / "3_rollouts.safetensors"))
@@ -43,21 +49,34 @@ def main(argv: list[str] | None = None) -> None:
     print(f"n={V0.shape[0]} anchors={roll['anchors'].shape[0]} negatives="
           f"{negatives.shared.shape[0] + negatives.specific.shape[0]} threads={torch.get_num_threads()}")
     results = {}
-    for every in args.every:
-        cfg = dataclasses.replace(BuildConfig(), refine_active_every=every)
+    variants = args.variant or [f"refine_active_every={every}" for every in args.every]
+    for name in variants:
+        cfg = dataclasses.replace(BuildConfig(), **_settings(name))
         t0 = time.perf_counter()
         V, losses = addr.refine_addresses(V0, roll["anchors"], roll["anchor_owner"], negatives, same, cfg)
         seconds = time.perf_counter() - t0
         cal = addr.calibrate(V, roll["anchors"], roll["anchor_owner"], negatives, same, DEFAULT_GATE_EPS, cfg)
         gap = cal.worst_positive - cal.worst_negative
-        results[every] = V
-        print(f"refine_active_every={every}: {seconds:.1f} s for {len(losses)} steps, loss {losses[0]:.1f} -> "
+        results[name] = V
+        print(f"{name}: {seconds:.1f} s for {len(losses)} steps, loss {losses[0]:.1f} -> "
               f"{losses[-1]:.3f}; separable {int(cal.separable.sum())}/{len(gap)}, worst-anchor minus worst-negative "
               f"score: median {float(gap.median()):.3f}, min {float(gap.min()):.3f}")
     if len(results) > 1:
-        first = results[args.every[0]]
-        for every, V in list(results.items())[1:]:
-            print(f"max |V({every}) - V({args.every[0]})| = {float((V - first).abs().max()):.3e}")
+        first_name, first = next(iter(results.items()))
+        for name, V in list(results.items())[1:]:
+            print(f"max |V({name}) - V({first_name})| = {float((V - first).abs().max()):.3e}")
+
+
+def _settings(variant: str) -> dict:
+    """``KEY=VALUE,KEY=VALUE`` as BuildConfig fields (numbers as numbers)."""
+    fields = {f.name: f.type for f in dataclasses.fields(BuildConfig)}
+    out = {}
+    for item in filter(None, variant.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"unknown BuildConfig field {key!r}")
+        out[key] = json.loads(value)
+    return out
 
 
 if __name__ == "__main__":

@@ -60,6 +60,44 @@ def test_negative_top_matches_brute_force():
         torch.testing.assert_close(got_h[i] @ V[i], want)
 
 
+def test_negative_top_from_candidates_matches_a_brute_force_over_them():
+    """shared_candidates keeps each slot's best shared negatives (-1 past those it has); top with
+    them scores only those and the slot's specific states, and with candidates covering every shared
+    state it is the full top. A slot with fewer negatives than k gets -inf and zero states."""
+    g = torch.Generator().manual_seed(11)
+    n, d, k = 6, 10, 5
+    V = torch.randn(n, d, generator=g, dtype=torch.float64)
+    shared = _unit(torch.randn(37, d, generator=g, dtype=torch.float64))
+    shared_owner = torch.cat([torch.full((25,), -1), torch.arange(n).repeat(2)])
+    specific = _unit(torch.randn(19, d, generator=g, dtype=torch.float64))
+    specific_owner = torch.tensor([0, 1, 2, 4] * 4 + [0, 1, 4])[torch.randperm(19, generator=g)]  # 3, 5: none
+    same = torch.eye(n, dtype=torch.bool)
+    negatives = addr.NegativeSet(shared, shared_owner, specific, specific_owner)
+    cand = negatives.shared_candidates(V, same, 7, chunk=4, stream_rows=9)
+    W = V + 0.5 * torch.randn(n, d, generator=g, dtype=torch.float64)  # the addresses have moved since
+    got_s, got_h = negatives.top(W, same, k, candidates=cand)
+    for i in range(n):
+        ok = (shared_owner < 0) | ~same[i, shared_owner.clamp_min(0)]
+        best7 = torch.nonzero(ok).squeeze(1)[(shared[ok] @ V[i]).topk(7).indices]
+        assert set(cand[i].tolist()) == set(best7.tolist())
+        pool = torch.cat([shared[best7], specific[specific_owner == i]])
+        want = (pool @ W[i]).topk(k).values
+        torch.testing.assert_close(got_s[i], want)
+        torch.testing.assert_close(got_h[i] @ W[i], want)
+    every = negatives.shared_candidates(V, same, 40)
+    assert ((every >= 0).sum(1) == 35).all() and (every[:, 35:] == -1).all()
+    full_s, full_h = negatives.top(W, same, k)
+    via_s, via_h = negatives.top(W, same, k, candidates=every)
+    torch.testing.assert_close(via_s, full_s)
+    torch.testing.assert_close(via_h, full_h)
+    few = addr.NegativeSet(shared[:0], shared_owner[:0], specific, specific_owner)
+    few_s, few_h = few.top(W, same, k)
+    assert (few_s[3] == -math.inf).all() and (few_h[3] == 0).all()
+    mine = specific[specific_owner == 2]  # four states
+    torch.testing.assert_close(few_s[2, :4], (mine @ W[2]).topk(4).values)
+    assert few_s[2, 4] == -math.inf and (few_h[2, 4] == 0).all()
+
+
 def test_min_anchor_scores_over_many_pieces_match_a_brute_force():
     """More anchors than one piece of rows holds (5,000 > 2,048): every slot's lowest anchor score,
     +inf for a slot with none, and the gradient of that minimum (the minimising anchor itself)."""
@@ -133,6 +171,39 @@ def test_refinement_stops_where_the_loss_at_remining_is_flat():
     assert all(not (0.95 * a <= b <= a) for a, b in zip(at_remine[:-2], at_remine[1:-1]))
     with pytest.raises(ValueError, match="refine_flat_stop"):
         addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**base, refine_flat_stop=1.0))
+
+
+def test_refinement_resumes_where_it_was_interrupted(tmp_path, monkeypatch):
+    """With a part store the refinement saves its state at each re-mining: stopped in the middle
+    (mid-way between two re-minings, candidate mining on), a second call goes on from the last one
+    and ends with the addresses and loss curve of an uninterrupted run."""
+    from aloe_build.checkpoints import PartStore
+
+    V0, anchors, owner, neg, same = _synthetic(n=8, negs=300)
+    cfg = BuildConfig(refine_steps=260, refine_remine_every=40, refine_full_remine_every=80, refine_candidates=20,
+                      refine_hard_negatives=6, refine_active_every=5)
+    want_V, want_losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
+    assert len(want_losses) == 260
+
+    calls = {"n": 0}
+    real_loss = addr._HingeTerms.loss
+
+    def interrupted(self, V, soft_weight):
+        calls["n"] += 1
+        if calls["n"] == 150:
+            raise KeyboardInterrupt
+        return real_loss(self, V, soft_weight)
+
+    monkeypatch.setattr(addr._HingeTerms, "loss", interrupted)
+    parts = PartStore(tmp_path / "4_refine.parts", "key")
+    with pytest.raises(KeyboardInterrupt):
+        addr.refine_addresses(V0, anchors, owner, neg, same, cfg, parts=parts)
+    assert int(parts.get("progress")["step"]) == 120
+    monkeypatch.setattr(addr._HingeTerms, "loss", real_loss)
+    V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg, parts=PartStore(tmp_path / "4_refine.parts",
+                                                                                         "key"))
+    torch.testing.assert_close(V, want_V, rtol=0, atol=0)
+    assert losses == want_losses
 
 
 def test_calibration_separable_slot_properties():
