@@ -4,7 +4,9 @@ A stage over thousands of edits runs hundreds of thousands of sequences through 
 split into chunks of :data:`CHUNK_SEQUENCES` (the same split whether or not a checkpoint
 directory is given, so a resumed build computes exactly what an uninterrupted one does), each
 chunk's result goes to the stage's :class:`~aloe_build.checkpoints.PartStore` and an
-interrupted stage loses at most one chunk. One bar per pass counts sequences over all chunks.
+interrupted stage loses at most one chunk. One bar per pass counts sequences over all chunks,
+advanced after every batch inside a chunk, so that its rate and the time left it shows follow
+the work as it is done.
 """
 
 from __future__ import annotations
@@ -28,22 +30,32 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + CHUNK_SEQUENCES)) for lo in range(0, n, CHUNK_SEQUENCES)]
 
 
+#: What a chunk's computation calls after each batch with the number of items it finished.
+Tick = Callable[[int], None]
+
+
 def _pieces(parts: PartStore | None, name: str, n: int, desc: str,
-            compute: Callable[[int, int], dict[str, torch.Tensor]]
+            compute: Callable[[int, int, Tick], dict[str, torch.Tensor]]
             ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """``(lo, hi, compute(lo, hi))`` for each chunk of ``n`` items, read back from ``parts`` where
-    saved. The bar starts at the items already saved, so that its rate, and the time left it
-    shows, come from the chunks computed in this run only."""
+    """``(lo, hi, compute(lo, hi, tick))`` for each chunk of ``n`` items, read back from ``parts``
+    where saved. The bar starts at the items already saved, so that its rate, and the time left it
+    shows, come from the work of this run only; ``tick`` advances it within a chunk."""
     chunks = _chunks(n)
     done = sum(hi - lo for c, (lo, hi) in enumerate(chunks) if parts is not None and parts.has(f"{name}-{c}"))
     with tqdm(total=n, initial=done, desc=desc, leave=False) as bar:
         for c, (lo, hi) in enumerate(chunks):
+            ticked = [0]
+
+            def tick(k: int, ticked: list[int] = ticked) -> None:
+                ticked[0] += k
+                bar.update(k)
+
             if parts is None:
-                piece, read_back = compute(lo, hi), False
+                piece, read_back = compute(lo, hi, tick), False
             else:
-                piece, read_back = parts.cached(f"{name}-{c}", lambda lo=lo, hi=hi: compute(lo, hi))
+                piece, read_back = parts.cached(f"{name}-{c}", lambda lo=lo, hi=hi: compute(lo, hi, tick))
             yield lo, hi, piece
-            bar.update(0 if read_back else hi - lo)
+            bar.update(0 if read_back else max(0, hi - lo - ticked[0]))
 
 
 def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequences: Sequence[Sequence[int]],
@@ -58,10 +70,11 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
     states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
     order = sorted(range(len(sequences)), key=lambda i: tuple(sequences[i]))
 
-    def compute(lo: int, hi: int) -> dict[str, torch.Tensor]:
+    def compute(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
         idx = order[lo:hi]
         got = collect_states_shared(model, tokenizer, [sequences[i] for i in idx], layer,
-                                    None if positions is None else [positions[i] for i in idx], batch_size)
+                                    None if positions is None else [positions[i] for i in idx], batch_size,
+                                    tick=tick)
         return {"states": got.states}
 
     # the parts of the sorted order have their own name: chunks saved in another order are not read back
@@ -75,11 +88,11 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
 
 
 def chunked_token_lists(parts: PartStore | None, name: str, n: int,
-                        compute: Callable[[int, int], list[list[int]]], desc: str) -> list[list[int]]:
-    """``compute(lo, hi)`` (token lists of items lo..hi-1) chunk by chunk, each chunk saved."""
+                        compute: Callable[[int, int, Tick], list[list[int]]], desc: str) -> list[list[int]]:
+    """``compute(lo, hi, tick)`` (token lists of items lo..hi-1) chunk by chunk, each chunk saved."""
 
-    def packed(lo: int, hi: int) -> dict[str, torch.Tensor]:
-        lists = compute(lo, hi)
+    def packed(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
+        lists = compute(lo, hi, tick)
         return {"tokens": torch.tensor([t for xs in lists for t in xs], dtype=torch.long),
                 "lengths": torch.tensor([len(xs) for xs in lists], dtype=torch.long)}
 

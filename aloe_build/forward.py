@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -84,6 +84,7 @@ def teacher_forced(
     hidden: Sequence[bool] | bool = False,
     progress: bool = False,
     desc: str = "teacher-forced",
+    tick: Callable[[int], None] | None = None,
 ) -> list[TFResult]:
     """One teacher-forced forward over each ``(prompt_ids, continuation_ids)``.
 
@@ -92,7 +93,8 @@ def teacher_forced(
     ``hidden`` asks for it; and, when ``editor`` has slots, the nonzero slot
     activations at the last prompt token and the maximum over all prompt
     tokens. Sequences are sorted by length and left-padded; only the logits
-    of the last ``max(k) + 1`` positions are computed.
+    of the last ``max(k) + 1`` positions are computed. ``tick``, if given, is called after
+    each batch with the number of sequences it finished (an outer progress bar).
     """
     n = len(seqs)
     out: list[TFResult | None] = [None] * n
@@ -143,6 +145,8 @@ def teacher_forced(
                         _add_gates(r, acts[b], T - 1 - len(seqs[i][1]), T - len(full[b]))
                     out[i] = r
                 bar.update(len(batch))
+                if tick is not None:
+                    tick(len(batch))
     finally:
         bar.close()
         for h in handles:
@@ -185,13 +189,14 @@ def greedy_generate(
     batch_size: int = 32,
     progress: bool = False,
     desc: str = "generate",
+    tick: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
     """Greedy generation of exactly ``lengths[i]`` tokens after each prompt (token ids).
 
     Batched with left padding and a KV cache; position ids follow the
     attention mask as in ``model.generate``. Generation does not stop at EOS
     (the caller decides what a generated EOS means); each batch stops after
-    its longest requested length.
+    its longest requested length. ``tick`` as in :func:`teacher_forced`.
     """
     n = len(prompts)
     ks = [int(lengths)] * n if isinstance(lengths, int) else [int(x) for x in lengths]
@@ -226,6 +231,8 @@ def greedy_generate(
                 for b, i in enumerate(batch):
                     out[i] = [int(x) for x in gen[b, : ks[i]].tolist()]
                 bar.update(len(batch))
+                if tick is not None:
+                    tick(len(batch))
     finally:
         bar.close()
     return out

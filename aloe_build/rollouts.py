@@ -120,8 +120,9 @@ def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_siz
         return [list(p) for p in prompts]
     eos = tokenizer.eos_token_id
 
-    def generate(lo: int, hi: int) -> list[list[int]]:
-        return greedy_generate(model, prompts[lo:hi], tokens, pad_id=pad_id(tokenizer), batch_size=batch_size)
+    def generate(lo: int, hi: int, tick) -> list[list[int]]:
+        return greedy_generate(model, prompts[lo:hi], tokens, pad_id=pad_id(tokenizer), batch_size=batch_size,
+                               tick=tick)
 
     gens = chunked_token_lists(parts, "continuations", len(prompts), generate, desc)
     return [list(p) + (g[: g.index(eos)] if eos in g else g) for p, g in zip(prompts, gens)]
@@ -139,9 +140,9 @@ def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[l
     if keep_predicted or not prompts:
         return spans
 
-    def predicted(lo: int, hi: int) -> list[list[int]]:
+    def predicted(lo: int, hi: int, tick) -> list[list[int]]:
         res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts[lo:hi], targets[lo:hi])],
-                             pad_id=pad_id(tokenizer), batch_size=batch_size)
+                             pad_id=pad_id(tokenizer), batch_size=batch_size, tick=tick)
         return [list(r.preds) for r in res]
 
     preds = chunked_token_lists(parts, "predicted", len(prompts), predicted,

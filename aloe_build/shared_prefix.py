@@ -12,7 +12,7 @@ CounterFact-val 839 stream this removes about 40% of the token positions of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -141,9 +141,10 @@ def _run_rests(model: nn.Module, box: dict, rows: list[tuple[int, int]], groups:
 
 def collect_states_shared(model: nn.Module, tokenizer, sequences: Sequence[Sequence[int]], layer: int,
                           positions: Sequence[Sequence[int]] | None = None, batch_size: int = 32,
-                          desc: str | None = None, min_shared: int = MIN_SHARED) -> StateBatch:
+                          desc: str | None = None, min_shared: int = MIN_SHARED,
+                          tick: Callable[[int], None] | None = None) -> StateBatch:
     """:func:`aloe_build.states.collect_states`, with each shared prefix computed once (``desc``: a
-    progress bar over the sequences)."""
+    progress bar over the sequences; ``tick``: called with the sequences each batch finished)."""
     keep = [list(range(len(s))) if positions is None else list(positions[i]) for i, s in enumerate(sequences)]
     groups = prefix_groups(sequences, min_shared, max_members=4 * batch_size)
     alone = [i for g in groups if g.shared == 0 for i in g.members]
@@ -152,7 +153,7 @@ def collect_states_shared(model: nn.Module, tokenizer, sequences: Sequence[Seque
     states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
     if alone:
         got = collect_states(model, tokenizer, [sequences[i] for i in alone], layer, [keep[i] for i in alone],
-                             batch_size, None if desc is None else f"{desc} (no shared prefix)")
+                             batch_size, None if desc is None else f"{desc} (no shared prefix)", tick)
         for j, i in enumerate(alone):
             states[int(offsets[i]): int(offsets[i + 1])] = got.of(j)
     device, pid = model_device(model), pad_id(tokenizer)
@@ -172,4 +173,6 @@ def collect_states_shared(model: nn.Module, tokenizer, sequences: Sequence[Seque
                 got[in_prefix] = prefixes[k].states[p[in_prefix]]
                 got[~in_prefix] = h_rest[b, p[~in_prefix] - s]
                 states[int(offsets[i]): int(offsets[i + 1])] = normalize_rows(got).cpu()
+            if tick is not None:
+                tick(len(batch))
     return StateBatch(states, offsets)

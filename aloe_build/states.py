@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -101,11 +101,13 @@ def collect_states(
     positions: Sequence[Sequence[int]] | None = None,
     batch_size: int = 32,
     desc: str | None = None,
+    tick: Callable[[int], None] | None = None,
 ) -> StateBatch:
     """Normalized down-projection inputs at layer ``layer`` for token id sequences.
 
     ``positions[i]`` lists the positions of sequence i to keep (0-based, in the
-    unpadded sequence); None keeps every position.
+    unpadded sequence); None keeps every position. ``tick``, if given, is called after
+    each batch with the number of sequences it finished (an outer progress bar).
     """
     device = model_device(model)
     pid = pad_id(tokenizer)
@@ -125,6 +127,8 @@ def collect_states(
                 n = len(sequences[i])
                 cols = torch.tensor([width - n + p for p in keep[i]], dtype=torch.long, device=h.device)
                 states[int(offsets[i]): int(offsets[i + 1])] = normalize_rows(h[row].index_select(0, cols)).cpu()
+            if tick is not None:
+                tick(len(idx))
     return StateBatch(states, offsets)
 
 

@@ -81,3 +81,42 @@ def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):
     assert whole.keys() == resumed.keys()
     for name in whole:
         assert torch.equal(whole[name], resumed[name]), name
+
+
+class _RecordingBar:
+    """A stand-in for tqdm that records its start and every update."""
+
+    made: list["_RecordingBar"] = []
+
+    def __init__(self, total, initial=0, **_):
+        self.total, self.initial, self.updates = total, initial, []
+        _RecordingBar.made.append(self)
+
+    def update(self, k):
+        self.updates.append(k)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_path, monkeypatch):
+    """Chunks of 8 sequences in batches of 3: the bar moves batch by batch (not once per chunk), its
+    updates add up to the sequences computed, and a resumed pass starts it at the saved ones."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (19,), generator=g)]
+    monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 8)
+    monkeypatch.setattr(chunked, "tqdm", _RecordingBar)
+    _RecordingBar.made.clear()
+    chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, 3, "test")
+    bar = _RecordingBar.made[-1]
+    assert bar.initial == 0 and sum(bar.updates) == 19
+    assert len([k for k in bar.updates if k > 0]) >= 7  # at least ceil(8/3) + ceil(8/3) + ceil(3/3) batches
+    assert max(bar.updates) <= 3
+    (tmp_path / "x-sorted-2.safetensors").unlink()  # the last chunk (3 sequences) is lost
+    chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, 3, "test")
+    bar = _RecordingBar.made[-1]
+    assert bar.initial == 16 and sum(bar.updates) == 3
