@@ -96,7 +96,7 @@ class NegativeSet:
                 best_s[rows], best_i[rows] = vals, torch.cat([best_i[rows], idx + lo], 1).gather(1, pick)
         return best_s, best_i.masked_fill(best_s == -math.inf, -1)
 
-    def _candidate_top(self, V, candidates, k, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidate_top(self, V, candidates, k, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`_shared_top`, scoring each slot's candidates only (in chunks of slots: the
         gathered states are chunk x candidates x d)."""
         n = V.shape[0]
