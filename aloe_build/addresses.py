@@ -221,11 +221,7 @@ def refine_addresses(
     V = V0.clone().requires_grad_(True)
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0)
     margin = cfg.refine_margin * norms.squeeze(1)
-    if not 0.0 <= cfg.refine_flat_stop < 1.0:
-        raise ValueError(f"refine_flat_stop must be in [0, 1), got {cfg.refine_flat_stop}")
-    if cfg.refine_candidates < 0 or cfg.refine_full_remine_every < 1:
-        raise ValueError("refine_candidates must be >= 0 and refine_full_remine_every >= 1, got "
-                         f"{cfg.refine_candidates} and {cfg.refine_full_remine_every}")
+    _check_settings(cfg)
     mining = _Mining(negatives, same_prompt, cfg)
     losses: list[float] = []
     hard_h, terms = None, None
@@ -244,13 +240,7 @@ def refine_addresses(
             hard_h = mining.hardest(V, full=boundary or step % cfg.refine_full_remine_every == 0)
             terms = None
         if terms is None or boundary or (cfg.refine_active_every > 0 and step % cfg.refine_active_every == 0):
-            everything = torch.ones(n, dtype=torch.bool, device=V.device)
-            terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, everything, soft_now)
-            if cfg.refine_active_every > 0:
-                with torch.no_grad():
-                    active = terms.violating(V)
-                terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, active, soft_now)
-                _stop_coasting(opt, V, active)
+            terms = _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now, V, opt, cfg)
         loss = terms.loss(V, cfg.refine_soft_weight)
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
@@ -278,6 +268,28 @@ def refine_addresses(
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
     return V.detach(), losses
+
+
+def _check_settings(cfg: BuildConfig) -> None:
+    if not 0.0 <= cfg.refine_flat_stop < 1.0:
+        raise ValueError(f"refine_flat_stop must be in [0, 1), got {cfg.refine_flat_stop}")
+    if cfg.refine_candidates < 0 or cfg.refine_full_remine_every < 1:
+        raise ValueError("refine_candidates must be >= 0 and refine_full_remine_every >= 1, got "
+                         f"{cfg.refine_candidates} and {cfg.refine_full_remine_every}")
+
+
+def _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now: bool, V: torch.Tensor,
+                opt: torch.optim.Optimizer, cfg: BuildConfig) -> "_HingeTerms":
+    """The loss terms of the next steps: every slot, or with ``refine_active_every`` the slots still
+    violating (the others' Adam momentum zeroed, so that they stay where they are)."""
+    everything = torch.ones(V.shape[0], dtype=torch.bool, device=V.device)
+    terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, everything, soft_now)
+    if cfg.refine_active_every > 0:
+        with torch.no_grad():
+            active = terms.violating(V)
+        terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, active, soft_now)
+        _stop_coasting(opt, V, active)
+    return terms
 
 
 class _Mining:
