@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from aloe_kernels.hf import locate_down_proj
 
 from .checkpoints import PartStore
+from .forward import Tick
 from .shared_prefix import collect_states_shared
 from .states import StateBatch
 
@@ -28,10 +29,6 @@ CHUNK_SEQUENCES = 2048
 
 def _chunks(n: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + CHUNK_SEQUENCES)) for lo in range(0, n, CHUNK_SEQUENCES)]
-
-
-#: What a chunk's computation calls after each batch with the number of items it finished.
-Tick = Callable[[int], None]
 
 
 def _pieces(parts: PartStore | None, name: str, n: int, desc: str,

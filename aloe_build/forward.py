@@ -16,6 +16,9 @@ from torch import nn
 
 from .tokens import left_pad
 
+#: What a long pass calls after each batch with the number of items it finished (an outer progress bar).
+Tick = Callable[[int], None]
+
 
 class SlotEditor(Protocol):
     """What :func:`teacher_forced` needs of an editor to report slot activations."""
@@ -84,7 +87,7 @@ def teacher_forced(
     hidden: Sequence[bool] | bool = False,
     progress: bool = False,
     desc: str = "teacher-forced",
-    tick: Callable[[int], None] | None = None,
+    tick: Tick | None = None,
 ) -> list[TFResult]:
     """One teacher-forced forward over each ``(prompt_ids, continuation_ids)``.
 
@@ -189,7 +192,7 @@ def greedy_generate(
     batch_size: int = 32,
     progress: bool = False,
     desc: str = "generate",
-    tick: Callable[[int], None] | None = None,
+    tick: Tick | None = None,
 ) -> list[list[int]]:
     """Greedy generation of exactly ``lengths[i]`` tokens after each prompt (token ids).
 

@@ -25,7 +25,7 @@ from .checkpoints import PartStore, save_tensors_atomically
 from .chunked import chunked_states, chunked_token_lists
 from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
-from .forward import greedy_generate, teacher_forced
+from .forward import Tick, greedy_generate, teacher_forced
 from .shared_prefix import collect_states_shared
 from .slots import Slot
 from .tokens import chat_answer, chat_header_length, chat_prompt, chat_template_key, encode_continuation, encode_prompt, pad_id
@@ -120,7 +120,7 @@ def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_siz
         return [list(p) for p in prompts]
     eos = tokenizer.eos_token_id
 
-    def generate(lo: int, hi: int, tick) -> list[list[int]]:
+    def generate(lo: int, hi: int, tick: Tick) -> list[list[int]]:
         return greedy_generate(model, prompts[lo:hi], tokens, pad_id=pad_id(tokenizer), batch_size=batch_size,
                                tick=tick)
 
@@ -140,7 +140,7 @@ def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[l
     if keep_predicted or not prompts:
         return spans
 
-    def predicted(lo: int, hi: int, tick) -> list[list[int]]:
+    def predicted(lo: int, hi: int, tick: Tick) -> list[list[int]]:
         res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts[lo:hi], targets[lo:hi])],
                              pad_id=pad_id(tokenizer), batch_size=batch_size, tick=tick)
         return [list(r.preds) for r in res]

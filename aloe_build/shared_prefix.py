@@ -12,7 +12,7 @@ CounterFact-val 839 stream this removes about 40% of the token positions of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from aloe_kernels.hf import locate_down_proj
 
-from .forward import model_device
+from .forward import Tick, model_device
 from .states import StateBatch, capture_down_proj_input, collect_states, normalize_rows, run_captured
 from .tokens import batch_inputs, pad_id
 
@@ -142,7 +142,7 @@ def _run_rests(model: nn.Module, box: dict, rows: list[tuple[int, int]], groups:
 def collect_states_shared(model: nn.Module, tokenizer, sequences: Sequence[Sequence[int]], layer: int,
                           positions: Sequence[Sequence[int]] | None = None, batch_size: int = 32,
                           desc: str | None = None, min_shared: int = MIN_SHARED,
-                          tick: Callable[[int], None] | None = None) -> StateBatch:
+                          tick: Tick | None = None) -> StateBatch:
     """:func:`aloe_build.states.collect_states`, with each shared prefix computed once (``desc``: a
     progress bar over the sequences; ``tick``: called with the sequences each batch finished)."""
     keep = [list(range(len(s))) if positions is None else list(positions[i]) for i, s in enumerate(sequences)]

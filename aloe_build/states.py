@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.operator import DEFAULT_EPS
 
-from .forward import model_device
+from .forward import Tick, model_device
 from .tokens import batch_inputs, encode_prompt, pad_id
 
 
@@ -101,7 +101,7 @@ def collect_states(
     positions: Sequence[Sequence[int]] | None = None,
     batch_size: int = 32,
     desc: str | None = None,
-    tick: Callable[[int], None] | None = None,
+    tick: Tick | None = None,
 ) -> StateBatch:
     """Normalized down-projection inputs at layer ``layer`` for token id sequences.
 

@@ -10,7 +10,7 @@ max r: where it is low no calibration of these addresses gives both generalizati
 and the miss is the address's, not the write's.
 
     python -m benchmarks.address_separability --operator runs/cf839 --edits runs/cf-stream.jsonl \\
-        --limit 839 --out benchmarks/results/separability_smollm2_counterfact-stream/cf839.json
+        --limit 839 --out benchmarks/results/separability_smollm2_counterfact-stream/n839.json
 
 The operator directory must hold its build's checkpoints (``checkpoints/5_calibrate.safetensors``).
 """
@@ -29,8 +29,11 @@ CUTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 def relative_scores(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor,
                     states: torch.Tensor) -> torch.Tensor:
     """r (N, n) of unit ``states`` at every slot: 0 at the slot's worst negative, 1 at its worst anchor."""
-    gap = (worst_positive - worst_negative).clamp_min(1e-12)
-    return (states.to(V.dtype) @ V.T - worst_negative) / gap
+    return _relative(states.to(V.dtype) @ V.T, worst_positive, worst_negative)
+
+
+def _relative(scores: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor) -> torch.Tensor:
+    return (scores - worst_negative) / (worst_positive - worst_negative).clamp_min(1e-12)
 
 
 def separability(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor,
@@ -42,8 +45,7 @@ def separability(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: 
     ``rephrase_slot[k]``: the slot of rewording k; ``locality_prompt[j]``: the prompt (0..prompts-1)
     of locality state j."""
     own = (rephrase_states.to(V.dtype) * V[rephrase_slot]).sum(-1)
-    gap = (worst_positive - worst_negative).clamp_min(1e-12)
-    r_own = (own - worst_negative[rephrase_slot]) / gap[rephrase_slot]
+    r_own = _relative(own, worst_positive[rephrase_slot], worst_negative[rephrase_slot])
     r_loc = torch.full((prompts,), -torch.inf, dtype=V.dtype)
     where = torch.zeros(prompts, dtype=torch.long)
     for lo in range(0, locality_states.shape[0], chunk):
