@@ -125,23 +125,32 @@ class AloeDownProj(nn.Module):
         self._op_header = {f.name: getattr(op, f.name) for f in dataclasses.fields(op) if f.name not in _TENSORS}
         for k in _TENSORS:
             self.register_buffer(k, getattr(op, k), persistent=False)
+        self._refresh_runtime_op()
 
     @property
     def operator(self) -> AloeOperator:
         """The operator as currently held (device and dtype of the buffers)."""
         return AloeOperator(**{k: getattr(self, k) for k in _TENSORS}, **self._op_header)
 
-    def _runtime_op(self) -> AloeOperator:
-        # Skips validation on the hot path: the tensors were validated once at patch time.
-        op = object.__new__(AloeOperator)
-        op.__dict__.update(self._op_header)
-        for k in _TENSORS:
-            op.__dict__[k] = getattr(self, k)
-        return op
+    def _refresh_runtime_op(self) -> None:
+        # The unvalidated operator of the hot path (the tensors were validated at patch time), made when
+        # the buffers change rather than in forward: torch.compile(fullgraph=True) cannot trace making it.
+        self._runtime_op = AloeOperator.unchecked(*(getattr(self, k) for k in _TENSORS),
+                                                  eps=self._op_header["eps"], gate_eps=self._op_header["gate_eps"])
+
+    def _apply(self, fn, recurse=True):  # model.to(device/dtype) replaces the buffers
+        out = super()._apply(fn, recurse)
+        self._refresh_runtime_op()
+        return out
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in _TENSORS and "_runtime_op" in self.__dict__:
+            self._refresh_runtime_op()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.base(h)
-        op = self._runtime_op()
+        op = self._runtime_op
         if torch.is_grad_enabled() and (h.requires_grad or any(getattr(self, k).requires_grad for k in _TENSORS)):
             return y + aloe_reference(h, op).to(y.dtype)
         return aloe_residual_(y, h, op, deterministic=self.deterministic)

@@ -35,14 +35,16 @@ released after 30 s idle, so make the calls back to back):
 1. here: ``python -m benchmarks.gpu_suite --prepare`` (fills the untracked
    ``scratch/``: tokenizer, 1,301 edits, acceptance.py; ~4 MiB) and
    ``python -m benchmarks.gpu_suite --smoke``;
-2. on the GPU, one call each: ``python3 -m benchmarks.gpu_suite --part tests,graph``;
-   ``--part gate,decode``; ``--part build``; ``--part acceptance
-   --acceptance-parts correct,graph``; ``--part acceptance --acceptance-parts time``
-   (merge calls whose parts ran well under 10 minutes). With ``$OUT`` set, results
-   go to ``$OUT/benchmarks/results/gpu/<device>/``;
-3. copy that folder to ``benchmarks/results/gpu/<device>/`` and commit it; each
-   call's ``$OUT`` starts empty, so when the acceptance sub-parts ran in separate
-   calls, rebuild the file to commit there:
+2. on the GPU, back to back (on the H100 of the first run: tests 145 s, graph 45 s,
+   gate 30 s, decode 75 s, acceptance correct 190 s / graph 15 s / time 75 s; the build
+   of 1,301 edits more than 7 minutes with the encoder untrained):
+   ``python3 -m benchmarks.gpu_suite --part tests,graph,decode --out /tmp/r``;
+   ``--part gate --out /tmp/r`` and ``--part acceptance --out /tmp/r``; ``--part build
+   --out /tmp/r``, each command ending with ``tar czf $OUT/r.tgz -C /tmp r``: only
+   8 files, at most 2 folders below ``$OUT``, come back from a call, and ``/tmp``
+   lasts as long as the machine stays warm;
+3. unpack into ``benchmarks/results/gpu/<device>/`` and commit; when the acceptance
+   sub-parts ran on different machines, rebuild the file to commit there:
    ``cat acceptance_correct.txt acceptance_graph.txt acceptance_time.txt > acceptance.txt``.
 
 If the image lacks pytest, the ``tests`` part says so; pure-Python pytest (with

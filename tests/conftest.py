@@ -29,12 +29,19 @@ _RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm")
 
 
 def _draw_on_cpu(fn):
-    """Wrap a torch random factory: a CPU generator draws on CPU, then the result moves to the default device."""
+    """Wrap a torch random factory: a CPU generator draws on CPU, then the result moves to the default device.
+
+    Without a device or a CPU generator the default device is passed explicitly:
+    ``torch.set_default_device`` recognises factories by identity, and once
+    wrapped, ``torch.randn`` is no longer the function it knows.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, generator=None, **kwargs):
-        if generator is not None and generator.device.type == "cpu" and kwargs.get("device") is None:
-            return fn(*args, generator=generator, device="cpu", **kwargs).to(torch.get_default_device())
+        if kwargs.get("device") is None:
+            if generator is not None and generator.device.type == "cpu":
+                return fn(*args, generator=generator, device="cpu", **kwargs).to(torch.get_default_device())
+            kwargs["device"] = torch.get_default_device()
         return fn(*args, generator=generator, **kwargs)
 
     return wrapper

@@ -149,7 +149,10 @@ def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic:
     """
     if split <= 0:
         token_tiles = -(-T // 64)
-        split = max(1, min(-(-n // _EDIT_GRAIN), -(-4 * n_sms // token_tiles)))
+        # Decode (one token tile): one edit range per SM. On an H100 at T = 1, n = 10,000, 132 ranges
+        # took 183 us and 528 (4 per SM) 301 us, same tiles (benchmarks/results/gpu/nvidia-h100-80gb-hbm3).
+        ranges = n_sms if token_tiles == 1 else -(-4 * n_sms // token_tiles)
+        split = max(1, min(-(-n // _EDIT_GRAIN), ranges))
     split = max(1, min(split, n, MAX_GRID_Y))
     fp32_y = y_dtype == torch.float32
     if fp32_y and split == 1:

@@ -8,13 +8,15 @@ config.json) and ``counterfact-val-1301.jsonl``. The CLI runs in a subprocess fr
 the source tree (nothing installed). Target: <= 3 minutes on an H100. If
 ``scratch/smollm2-135m-instruct/`` holds the real model, the build is also run on
 it and its ``build_report.json`` (stage times, gate statistics) is kept; whether
-the edits take is then a matter for ``aloe eval`` on that operator.
+the edits take is then a matter for ``aloe eval`` on that operator, which is kept
+in the results folder (``smollm2_aloe_operator.safetensors``, ``smollm2_aloe_config.json``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +30,7 @@ TIMEOUT_S = 540  # one 10-minute device call, with room for the model save
 # The CLI entry point, run from the source tree: aloe_vllm is mapped to integrations/vllm first.
 CLI = ("import sys; from benchmarks.gpu.common import source_tree_imports; source_tree_imports(); "
        "from aloe_cli.main import main; sys.exit(main(sys.argv[1:]))")
+OPERATOR_FILES = ("aloe_operator.safetensors", "aloe_config.json")
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -73,8 +76,13 @@ def _flags_supported(res: PartResult) -> bool:
     return ok
 
 
-def timed_build(ctx: Context, res: PartResult, model_dir: Path, label: str, limit: int | None) -> dict:
-    """One ``aloe build`` on ``model_dir``: seconds, return code and the output's tail."""
+def timed_build(ctx: Context, res: PartResult, model_dir: Path, label: str, limit: int | None,
+                keep_as: str | None = None) -> dict:
+    """One ``aloe build`` on ``model_dir``: seconds, return code and the output's tail.
+
+    ``keep_as``: copy the operator (``aloe_operator.safetensors``, ``aloe_config.json``)
+    into the results folder under this prefix, so it can be evaluated elsewhere.
+    """
     with tempfile.TemporaryDirectory(prefix="aloe-build-") as tmp:
         args = ["build", "--model", str(model_dir), "--edits", str(EDITS), "--out", str(Path(tmp) / "op"),
                 "--device", ctx.device, "--dtype", "bfloat16" if ctx.cuda else "float32"]
@@ -86,6 +94,10 @@ def timed_build(ctx: Context, res: PartResult, model_dir: Path, label: str, limi
             p = Path(tmp) / "op" / name
             if p.is_file():
                 report = json.loads(p.read_text())
+        if keep_as and rc == 0:
+            ctx.out.mkdir(parents=True, exist_ok=True)
+            for name in OPERATOR_FILES:
+                shutil.copy(Path(tmp) / "op" / name, ctx.out / f"{keep_as}_{name}")
     row = {"model": label, "rc": rc, "seconds": seconds, "edits": limit or 1301, "output_tail": text[-3000:],
            "report": report}
     res.log(f"aloe build on {label} ({row['edits']} edits, --device {ctx.device}): rc={rc}, {seconds:.1f} s")
@@ -122,7 +134,8 @@ def run(ctx: Context) -> PartResult:
     res.target("aloe build of 1,301 edits --device cuda (minutes)", row["seconds"] / 60 if row["rc"] == 0 else None,
                "<=", 3.0, " min")
     if (REAL_MODEL / "config.json").is_file():
-        res.data["rows"].append(timed_build(ctx, res, REAL_MODEL, "SmolLM2-135M-Instruct (real)", None))
+        res.data["rows"].append(timed_build(ctx, res, REAL_MODEL, "SmolLM2-135M-Instruct (real)", None,
+                                             keep_as="smollm2"))
     else:
         res.log(f"real SmolLM2 check not run: {REAL_MODEL} absent (its weights exceed what travels to the GPU)")
     if res.status == "ok" and any(t["verdict"] == "MISS" for t in res.targets):

@@ -77,7 +77,17 @@ class DecodeStep:
         self.position_ids = self.cache_position.view(1, 1).expand(batch, 1).contiguous()
         self.logits: torch.Tensor | None = None
 
+    def _rewind(self) -> None:
+        # transformers 5.x static layers write at their own running length (they ignore cache_position):
+        # reset it so every replay writes the same slot, as one step of a longer decode would.
+        lengths = [layer.cumulative_length for layer in getattr(self.cache, "layers", ())
+                   if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        if lengths:
+            torch._foreach_mul_(lengths, 0)
+            torch._foreach_add_(lengths, PROMPT)
+
     def __call__(self) -> None:
+        self._rewind()
         with torch.no_grad():
             out = self.model(input_ids=self.tokens, position_ids=self.position_ids, past_key_values=self.cache,
                              cache_position=self.cache_position, use_cache=True)

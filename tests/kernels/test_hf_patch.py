@@ -153,8 +153,9 @@ def test_fingerprint_is_dtype_robust():
 
 
 def test_operator_dtype_as_served_or_as_asked():
-    """On CPU the operator is patched in float32 unless a dtype is asked for; a bfloat16 patch adds the
-    residual of the bfloat16-rounded tensors (what a GPU serving the model in bfloat16 computes)."""
+    """The operator is patched in float32 on CPU and in the weight's dtype on a GPU, unless a dtype is asked
+    for; a bfloat16 patch adds the residual of the bfloat16-rounded tensors (what a GPU serving the model in
+    bfloat16 computes)."""
     model = tiny_model("llama").to(torch.bfloat16)
     batch = _inputs()
     h, wh = _capture_down_proj_input(model, batch)
@@ -163,7 +164,8 @@ def test_operator_dtype_as_served_or_as_asked():
     op = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")},
                       layer=LAYER)
     wrapper = apply_aloe(model, op)
-    assert all(getattr(wrapper, k).dtype == torch.float32 for k in ("addresses", "thresholds", "temperatures", "writes"))
+    served = torch.float32 if site.weight().device.type == "cpu" else torch.bfloat16
+    assert all(getattr(wrapper, k).dtype == served for k in ("addresses", "thresholds", "temperatures", "writes"))
     remove_aloe(model)
     wrapper = apply_aloe(model, op, dtype=torch.bfloat16)
     rounded = {k: getattr(op, k).to(torch.bfloat16) for k in ("addresses", "thresholds", "temperatures", "writes")}

@@ -185,6 +185,7 @@ def test_plan_k_split():
     assert p.d_per_split % 256 == 0 and p.d_per_split * p.k_split >= 4096 > p.d_per_split * (p.k_split - 1)
     assert P(1, 1301, 4096, torch.float32, False, 132, d=4096).launches == 2
     assert P(1, 10000, 4096, torch.bfloat16, False, 132, d=4096).k_split == 1  # enough edit blocks
+    assert P(1, 10000, 4096, torch.bfloat16, False, 132, d=4096).split <= 132  # decode: one range per SM
     assert P(4096, 1301, 4096, torch.bfloat16, False, 132, d=4096).k_split == 1  # enough token tiles
     assert P(1, 1301, 4096, torch.bfloat16, False, 132).k_split == 1  # from scores: no d
     assert P(1, 30, 100, torch.float32, False, 132, d=100).k_split == 1  # d too narrow to slice
