@@ -107,10 +107,16 @@ class _Scorer:
         if self.unedited:
             todo = [j for j in todo if j not in ref.cache]
         t = time.perf_counter()
-        res = teacher_forced(model, [reg.seqs[j] for j in todo], pad_id=pad_id, batch_size=batch_size,
-                             editor=self.editor, hidden=[reg.want_hidden[j] for j in todo], progress=progress,
-                             desc=f"{name}: teacher-forced")
-        self.tf = dict(zip(todo, res))
+        # The sequences of the unedited reference pass go through in the same batches as there: in
+        # bfloat16 a sequence's logits depend on what it is batched with, and a locality prompt would
+        # otherwise count as changed by an edit that changed nothing.
+        shared = [j for j in todo if j in ref.cache]  # the reference pass's list, in its order
+        self.tf = {}
+        for part in (shared, [j for j in todo if j not in ref.cache]):
+            res = teacher_forced(model, [reg.seqs[j] for j in part], pad_id=pad_id, batch_size=batch_size,
+                                 editor=self.editor, hidden=[reg.want_hidden[j] for j in part], progress=progress,
+                                 desc=f"{name}: teacher-forced")
+            self.tf.update(zip(part, res))
         if self.unedited:
             self.tf.update(ref.cache)
         self.timings["teacher_forced_s"] = time.perf_counter() - t

@@ -35,7 +35,37 @@ def test_metric_primitives():
 
 
 
-# ----------------------------------------------------------------------------- metric families
+def test_reference_sequences_scored_in_the_reference_batches(tiny, monkeypatch):
+    """An edited pass scores the unedited reference's sequences as the very list the reference scored
+    (same batches), so batch-dependent low-precision noise cannot pass for a locality change."""
+    import aloe_eval.scoring as scoring
+
+    model, tok = tiny
+    calls = []
+    real = scoring.teacher_forced
+
+    def recording(model, seqs, **kw):
+        calls.append((kw.get("editor") is not None, [tuple(map(tuple, s)) for s in seqs], kw["batch_size"]))
+        return real(model, seqs, **kw)
+
+    monkeypatch.setattr(scoring, "teacher_forced", recording)
+
+    class NoEffect(ForceToken):  # an editor that is not the unedited model but changes nothing
+        name = "noeffect"
+
+        def attach(self, model):
+            pass
+
+        def detach(self, model):
+            pass
+
+    rep = evaluate(model, tok, tiny_requests(), NoEffect(0), progress=False, batch_size=3)
+    reference = [c for c in calls if not c[0]]
+    edited = [c for c in calls if c[0]]
+    assert len(reference) == 1 and reference[0][1]
+    assert any(c[1] == reference[0][1] and c[2] == reference[0][2] for c in edited)
+    assert rep.summary["paper"]["locality"] == 1.0
+
 
 
 def test_identical_model_has_locality_one(tiny):
