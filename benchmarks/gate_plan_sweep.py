@@ -2,7 +2,8 @@
 
     python3 -m benchmarks.gate_plan_sweep        # on a CUDA machine; writes $OUT (or /tmp)/sweep_gate.json
 
-For n = 1,301 and 10,000 edits (one gate open), times the automatic plan and
+For n = 1,301 and 10,000 edits (the ``gate`` part's T = 1 workloads of
+:func:`benchmarks.bench_gate.make_workload`: one gate open), times the automatic plan and
 explicit ``split`` (edit ranges) x ``k_split`` (d slices) x (BLOCK_N, BLOCK_D)
 overrides of :func:`aloe_kernels.ops.aloe_gate.aloe_gate_residual_` as CUDA-graph
 replays with L2 flushed, against the address-read floor at the copy bandwidth
@@ -19,9 +20,8 @@ import time
 import torch
 
 from aloe_kernels.ops.aloe_gate import aloe_gate_residual_
+from benchmarks.bench_gate import make_workload
 from benchmarks.gpu.timing import GraphTimer
-
-D, D_OUT = 14336, 4096
 
 
 def main() -> None:
@@ -31,16 +31,10 @@ def main() -> None:
     rows = []
     t0 = time.time()
     for n in (1301, 10000):
-        g = torch.Generator(device="cuda").manual_seed(n)
-        h = torch.randn(1, D, device="cuda", generator=g).to(torch.bfloat16)
-        a = torch.nn.functional.normalize(torch.randn(n, D, device="cuda", generator=g), dim=1)
-        a[0] = torch.nn.functional.normalize(h.float(), dim=1)[0]
-        a = a.to(torch.bfloat16)
-        w = (torch.randn(n, D_OUT, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
-        th = torch.full((n,), 0.8, device="cuda")
-        te = torch.full((n,), 30.0, device="cuda")
-        y = torch.zeros(1, D_OUT, device="cuda", dtype=torch.bfloat16)
-        floor = n * D * 2 / (bw * 1e3)
+        w = make_workload("llama3-8b", 1, n, "1", torch.bfloat16, "cuda", seed=n + 1, gen_device="cuda")
+        h, op = w.h, w.op
+        y = torch.zeros(1, w.d_out, device="cuda", dtype=torch.bfloat16)
+        floor = op.addresses.numel() * op.addresses.element_size() / (bw * 1e3)
         cands = [dict()]
         for split, ks in itertools.product((33, 66, 132, 264, 528), (1, 2, 4, 8)):
             for bn, bd in ((16, 256), (32, 256), (32, 128), (64, 128)):
@@ -49,7 +43,8 @@ def main() -> None:
             if time.time() - t0 > float(os.environ.get("SWEEP_BUDGET_S", 200)):
                 break
             try:
-                graph = timer.capture(lambda: aloe_gate_residual_(y, h, a, th, te, w, **kw))
+                graph = timer.capture(lambda: aloe_gate_residual_(y, h, op.addresses, op.thresholds, op.temperatures,
+                                                                  op.writes, op.eps, op.gate_eps, **kw))
                 us = statistics.median(timer.replay_us(graph, 15))
             except Exception as exc:
                 print(n, kw, "failed", type(exc).__name__, str(exc)[:100], flush=True)
