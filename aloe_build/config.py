@@ -52,6 +52,12 @@ class BuildConfig:
     # the same-subject prompts also serve as competing keys: each paraphrase must pick its own
     # request over keys of its subject under other relations (the 16-way test of the paper)
     encoder_same_subject_keys: bool = _at(1, True)
+    # each key also ranks its paraphrase above the locality inputs and same-subject prompts of every
+    # other batch item (other subjects' facts of its own relation among them), not only its own
+    encoder_batch_negatives: bool = _at(1, True)
+    # weight of a logistic loss of every positive and negative score of a batch against one learned
+    # threshold: the ranking losses are per key, and this makes one threshold serve every key
+    encoder_threshold_weight: float = _at(1, 1.0)
     encoder_cache: str | None = _at(1, None)  # directory of cached encoders; None = $ALOE_CACHE/encoders
 
     # (3) rollouts: anchors from the request and its target; negatives from other text

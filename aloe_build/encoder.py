@@ -6,9 +6,10 @@ address of edit i is then v_i = c Q^T norm(K h(t_i)), so v_i^T h(x) = s(x, t_i).
 
 Training uses relation-balanced minibatches of construction items and
 - an in-batch ranking loss in both directions (each paraphrase against the
-  other keys, each key against the other queries and its hard negatives),
+  other keys, each key against the other queries and the batch's hard negatives),
 - squared-hinge margins of the paraphrase over its locality input and over
   same-subject other-relation prompts,
+- a logistic loss of every score of the batch against one learned threshold,
 - an orthogonality penalty on the keys.
 Encoders are cached per (model weight, layer, corpus, settings).
 """
@@ -102,6 +103,48 @@ def _balanced_batches(groups: list[str], batch: int, rng: random.Random):
         yield sorted(chosen)
 
 
+def batch_loss(cs: CorpusStates, b: torch.Tensor, Q: torch.Tensor, K: torch.Tensor, log_c: torch.Tensor,
+               threshold: torch.Tensor, cfg: BuildConfig) -> torch.Tensor:
+    """The stage-1 loss of the items ``b`` (module docstring); ``threshold`` is the logistic loss's."""
+    B = len(b)
+    c = log_c.exp()
+    m = cfg.encoder_margin
+    k = F.normalize(cs.request[b] @ K.T, dim=-1)  # (B, p)
+    q_pos = cs.paraphrase[b] @ Q.T
+    q_loc = cs.locality[b] @ Q.T
+    q_ss = cs.same_subject[b] @ Q.T  # (B, S, p)
+    s_pp = c * q_pos @ k.T  # (B queries, B keys)
+    s_pos = s_pp.diagonal()
+    s_loc_all = c * q_loc @ k.T  # (B locality inputs, B keys)
+    s_loc = s_loc_all.diagonal()
+    s_ss = c * torch.einsum("bsp,bp->bs", q_ss, k)
+    target = torch.arange(B)
+    query_logits = s_pp
+    margin_ss = s_ss
+    if cfg.encoder_same_subject_keys:
+        k_ss = F.normalize(cs.same_subject[b] @ K.T, dim=-1)  # (B, S, p): keys of the subject's other relations
+        s_key_ss = c * torch.einsum("bp,bsp->bs", q_pos, k_ss)
+        query_logits = torch.cat([s_pp, s_key_ss], dim=1)
+        margin_ss = torch.cat([s_ss, s_key_ss], dim=1)
+    rank_q = F.cross_entropy(query_logits, target)  # each paraphrase picks its own key
+    if cfg.encoder_batch_negatives:  # every locality input and same-subject prompt of the batch
+        key_negatives = [s_loc_all.T, c * torch.einsum("jsp,ip->ijs", q_ss, k).reshape(B, -1)]
+    else:  # the key's own only
+        key_negatives = [s_loc[:, None], s_ss]
+    key_logits = torch.cat([s_pp.T, *key_negatives], dim=1)  # each key picks its own paraphrase
+    rank_k = F.cross_entropy(key_logits, target)
+    margin = (F.relu(m + s_loc - s_pos) ** 2).mean() + (F.relu(m + margin_ss - s_pos[:, None]) ** 2).mean()
+    gram = k @ k.T
+    ortho = ((gram - torch.eye(B)) ** 2).sum() / (B * (B - 1))
+    loss = rank_q + rank_k + margin + cfg.encoder_ortho * ortho
+    if cfg.encoder_threshold_weight:
+        off_diagonal = ~torch.eye(B, dtype=torch.bool)
+        negatives = torch.cat([s_pp[off_diagonal], s_loc_all.reshape(-1), margin_ss.reshape(-1)])
+        loss = loss + cfg.encoder_threshold_weight * (
+            F.softplus(threshold - s_pos).mean() + F.softplus(negatives - threshold).mean())
+    return loss
+
+
 def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: BuildConfig) -> AddressEncoder:
     """Fit Q, K, c on the items ``idx``."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -110,39 +153,15 @@ def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: Buil
     Q = (torch.randn(p, d, generator=gen) / d**0.5).requires_grad_(True)
     K = (torch.randn(p, d, generator=gen) / d**0.5).requires_grad_(True)
     log_c = torch.tensor(2.0, requires_grad=True)
-    opt = torch.optim.AdamW([Q, K, log_c], lr=cfg.encoder_lr, weight_decay=0.0)
+    threshold = torch.tensor(0.0, requires_grad=True)  # of the logistic loss only; not part of the encoder
+    opt = torch.optim.AdamW([Q, K, log_c, threshold], lr=cfg.encoder_lr, weight_decay=0.0)
     rng = random.Random(cfg.seed)
     sub_groups = [groups[i] for i in idx]
     batches = _balanced_batches(sub_groups, cfg.encoder_batch, rng)
-    m = cfg.encoder_margin
     bar = tqdm(range(cfg.encoder_steps), desc="stage 1: address encoder", leave=False)
     for _ in bar:
         b = torch.tensor([idx[j] for j in next(batches)])
-        B = len(b)
-        c = log_c.exp()
-        k = F.normalize(cs.request[b] @ K.T, dim=-1)  # (B, p)
-        q_pos = cs.paraphrase[b] @ Q.T
-        q_loc = cs.locality[b] @ Q.T
-        q_ss = cs.same_subject[b] @ Q.T  # (B, S, p)
-        s_pp = c * q_pos @ k.T  # (B queries, B keys)
-        s_pos = s_pp.diagonal()
-        s_loc = c * (q_loc * k).sum(-1)
-        s_ss = c * torch.einsum("bsp,bp->bs", q_ss, k)
-        target = torch.arange(B)
-        query_logits = s_pp
-        margin_ss = s_ss
-        if cfg.encoder_same_subject_keys:
-            k_ss = F.normalize(cs.same_subject[b] @ K.T, dim=-1)  # (B, S, p): keys of the subject's other relations
-            s_key_ss = c * torch.einsum("bp,bsp->bs", q_pos, k_ss)
-            query_logits = torch.cat([s_pp, s_key_ss], dim=1)
-            margin_ss = torch.cat([s_ss, s_key_ss], dim=1)
-        rank_q = F.cross_entropy(query_logits, target)  # each paraphrase picks its own key
-        key_logits = torch.cat([s_pp.T, s_loc[:, None], s_ss], dim=1)  # each key picks its own paraphrase
-        rank_k = F.cross_entropy(key_logits, target)
-        margin = (F.relu(m + s_loc - s_pos) ** 2).mean() + (F.relu(m + margin_ss - s_pos[:, None]) ** 2).mean()
-        gram = k @ k.T
-        ortho = ((gram - torch.eye(B)) ** 2).sum() / (B * (B - 1))
-        loss = rank_q + rank_k + margin + cfg.encoder_ortho * ortho
+        loss = batch_loss(cs, b, Q, K, log_c, threshold, cfg)
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 1 (address encoder): loss became NaN/Inf")
         opt.zero_grad()
