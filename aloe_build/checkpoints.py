@@ -34,11 +34,12 @@ def write_atomically(file: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    """A safetensors file written through :func:`write_atomically`."""
+def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path,
+                            metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file (with its string ``metadata``) written through :func:`write_atomically`."""
     from safetensors.torch import save_file
 
-    write_atomically(file, lambda tmp: save_file(tensors, str(tmp)))
+    write_atomically(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 #: Bump when what a stage stores changes, so that older checkpoints are recomputed, not misread.

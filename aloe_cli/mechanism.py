@@ -18,7 +18,8 @@ def _cmd_mechanism(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_for(args)
     layer = args.layer if args.layer is not None else default_layer(model)
     study = mechanism_study(model, tokenizer, args.corpus, layer, cfg, seeds=args.seeds,
-                            dev_items=args.dev_items or PAPER_DEV_ITEMS, protocols=args.protocol)
+                            dev_items=args.dev_items or PAPER_DEV_ITEMS, protocols=args.protocol,
+                            states_path=args.states)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     study["config"] = overrides
@@ -50,6 +51,10 @@ def add_mechanism_cli(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p.add_argument("--protocol", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
                    help="subject: the paper's (relations shared, subjects disjoint); relation: held-out relations")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field (stage 1)")
+    p.add_argument("--states", default=None, metavar="FILE",
+                   help="safetensors file of the collected states: read when it was made for the same model, layer, "
+                        "corpus and partitions, written otherwise (then each run with other --set values takes "
+                        "seconds to minutes instead of the state passes)")
     add_device_args(p)
     p.set_defaults(func=_cmd_mechanism)
     return p

@@ -7,17 +7,22 @@ Partitions are fixed by the config's seed; each seed trains a fresh encoder on t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import statistics
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from aloe_build.checkpoints import save_tensors_atomically
 from aloe_build.config import BuildConfig
-from aloe_build.corpus import Corpus
+from aloe_build.corpus import CORPUS_VERSION, Corpus
 from aloe_build.data import load_edits
 from aloe_build.encoder import CorpusStates, corpus_states
 from aloe_build.mechanism import PROTOCOLS, Partition, dev_key_states, partition, protocol_metrics
+from aloe_kernels import weight_fingerprint
+from aloe_kernels.hf import locate_down_proj
 
 PAPER_DEV_ITEMS = 632  # the paper's development set size
 PAPER_SEEDS = (0, 42, 99)
@@ -49,15 +54,61 @@ def study_from_states(cs: CorpusStates, corpus: Corpus, parts: dict[str, Partiti
     return out
 
 
+def _states_identity(model, corpus_path: str | Path, layer: int, cfg: BuildConfig, dev_items: int,
+                     protocols: Sequence[str]) -> dict:
+    """What the collected states depend on: a states file made for another identity is not reused."""
+    site = locate_down_proj(model, layer)
+    return {"weight": weight_fingerprint(site.weight()), "layer": layer,
+            "corpus_sha256": hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest(),
+            "corpus_version": CORPUS_VERSION, "same_subject": cfg.encoder_same_subject, "seed": cfg.seed,
+            "batch_size": cfg.batch_size, "dev_items": dev_items, "protocols": sorted(protocols)}
+
+
+def _save_states(path: Path, identity: dict, cs: CorpusStates, keys: dict[str, torch.Tensor | None]) -> None:
+    tensors = {f"cs.{f.name}": getattr(cs, f.name).contiguous() for f in dataclasses.fields(cs)}
+    tensors.update({f"keys.{p}": k.contiguous() for p, k in keys.items() if k is not None})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_tensors_atomically(tensors, path, metadata={"identity": json.dumps(identity, sort_keys=True)})
+
+
+def _load_states(path: Path, identity: dict, protocols: Sequence[str]):
+    """The states saved at ``path`` for ``identity``, or None (and why) when they are not those."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        saved = json.loads((f.metadata() or {}).get("identity", "{}"))
+    if saved != identity:
+        differ = sorted(k for k in set(saved) | set(identity) if saved.get(k) != identity.get(k))
+        return None, f"made for another {', '.join(differ)}"
+    t = load_file(str(path))
+    cs = CorpusStates(*(t[f"cs.{f.name}"] for f in dataclasses.fields(CorpusStates)))
+    return (cs, {p: t.get(f"keys.{p}") for p in protocols}), ""
+
+
 def mechanism_study(model, tokenizer, corpus_path: str | Path, layer: int, cfg: BuildConfig | None = None,
                     seeds: Sequence[int] = PAPER_SEEDS, dev_items: int = PAPER_DEV_ITEMS,
-                    protocols: Sequence[str] = PROTOCOLS) -> dict:
-    """Run the study on a CounterFact-style file (e.g. CounterFact train) at ``layer``."""
+                    protocols: Sequence[str] = PROTOCOLS, states_path: str | Path | None = None) -> dict:
+    """Run the study on a CounterFact-style file (e.g. CounterFact train) at ``layer``. With
+    ``states_path`` the collected states are read from there when they were made for the same model
+    weight, layer, corpus and partitions, and written there otherwise, so that stage-1 settings can
+    be compared in seconds each."""
     cfg = cfg or BuildConfig()
     corpus = Corpus(load_edits(corpus_path), cfg.encoder_same_subject, cfg.seed)
     parts = {p: partition(corpus, p, dev_items, cfg.seed) for p in protocols}
-    cs = corpus_states(model, tokenizer, corpus, layer, cfg.batch_size)
-    keys = {p: dev_key_states(model, tokenizer, corpus, part, layer, cfg) for p, part in parts.items()}
+    identity = _states_identity(model, corpus_path, layer, cfg, dev_items, protocols)
+    loaded, why = (None, "none yet")
+    if states_path is not None and Path(states_path).is_file():
+        loaded, why = _load_states(Path(states_path), identity, protocols)
+    if loaded is not None:
+        cs, keys = loaded
+    else:
+        if states_path is not None:
+            print(f"collecting states ({Path(states_path)}: {why})")
+        cs = corpus_states(model, tokenizer, corpus, layer, cfg.batch_size)
+        keys = {p: dev_key_states(model, tokenizer, corpus, part, layer, cfg) for p, part in parts.items()}
+        if states_path is not None:
+            _save_states(Path(states_path), identity, cs, keys)
     out = study_from_states(cs, corpus, parts, keys, cfg, seeds)
     out.update(corpus=str(corpus_path), items=len(corpus.items), relations=len(corpus.templates), layer=layer)
     return out
