@@ -54,10 +54,12 @@ class BuildConfig:
     encoder_same_subject_keys: bool = _at(1, True)
     # each key also ranks its paraphrase above the locality inputs and same-subject prompts of every
     # other batch item (other subjects' facts of its own relation among them), not only its own
-    encoder_batch_negatives: bool = _at(1, True)
+    encoder_batch_negatives: bool = _at(1, False)
     # weight of a logistic loss of every positive and negative score of a batch against one learned
-    # threshold: the ranking losses are per key, and this makes one threshold serve every key
-    encoder_threshold_weight: float = _at(1, 1.0)
+    # threshold: the ranking losses are per key, and this makes one threshold serve every key.
+    # Both off by default: with both on, the mechanism study improves (docs/results.md) but a small
+    # 6-edit SmolLM2 build with a short stage 1 made 2 of its 6 edits instead of 5 or more
+    encoder_threshold_weight: float = _at(1, 0.0)
     encoder_cache: str | None = _at(1, None)  # directory of cached encoders; None = $ALOE_CACHE/encoders
 
     # (3) rollouts: anchors from the request and its target; negatives from other text

@@ -146,11 +146,8 @@ def test_same_subject_keys_in_training_raise_same_subject_top1():
     keys = state(other, 0.05)  # fresh prompts of the same subjects' other relations as competing keys
     results = {}
     for flag in (False, True):
-        # the batch-wide negatives and the threshold loss off: on these states they hide the effect
-        # of the same-subject keys (both measured on real states instead, docs/results.md)
         cfg = BuildConfig(encoder_dim=24, encoder_steps=300, encoder_batch=32, encoder_lr=1e-2,
-                          encoder_same_subject_keys=flag, encoder_batch_negatives=False,
-                          encoder_threshold_weight=0.0)
+                          encoder_same_subject_keys=flag)
         enc = train_encoder(cs, [str(int(r)) for r in rel], train, cfg)
         b = torch.tensor(dev)
         keys16 = torch.cat([cs.request[b][:, None], keys[b]], 1)
