@@ -34,6 +34,15 @@ def write_atomically(file: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path,
                             metadata: dict[str, str] | None = None) -> None:
     """A safetensors file (with its string ``metadata``) written through :func:`write_atomically`."""

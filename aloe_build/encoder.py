@@ -6,11 +6,13 @@ address of edit i is then v_i = c Q^T norm(K h(t_i)), so v_i^T h(x) = s(x, t_i).
 
 Training uses relation-balanced minibatches of construction items and
 - an in-batch ranking loss in both directions (each paraphrase against the
-  other keys, each key against the other queries and the batch's hard negatives),
+  other keys, each key against the other queries and its hard negatives, or
+  with ``encoder_batch_negatives`` the whole batch's),
 - squared-hinge margins of the paraphrase over its locality input and over
   same-subject other-relation prompts,
-- a logistic loss of every score of the batch against one learned threshold,
-- an orthogonality penalty on the keys.
+- an orthogonality penalty on the keys,
+- with ``encoder_threshold_weight``, a logistic loss of every score of the
+  batch against one learned threshold.
 Encoders are cached per (model weight, layer, corpus, settings).
 """
 
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .checkpoints import save_tensors_atomically, write_atomically
+from .checkpoints import file_sha256, save_tensors_atomically, write_atomically
 from .config import BuildConfig
 from .corpus import CORPUS_VERSION, Corpus
 from .states import last_token_states
@@ -191,7 +193,7 @@ def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig,
     rewritten in place does not."""
     fields = {k: v for k, v in cfg.fields_of(1).items()
               if k != "encoder_cache" and (not corpus_only or k in CORPUS_FIELDS)}
-    corpus = hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest()
+    corpus = file_sha256(corpus_path)
     h = hashlib.sha256()
     h.update(json.dumps([fingerprint, layer, corpus, fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())
     return h.hexdigest()[:16]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shlex
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from aloe_build import EditDataError, load_edits
+from aloe_build.checkpoints import file_sha256
 from aloe_build.models import resolve_dtype
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
@@ -21,14 +21,6 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.errors import AloeError
 
 from .options import DTYPE_CHOICES, add_device_args, load_model_for
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -121,7 +113,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                             layer=args.layer if op.layer is None else None, dtype=op_dtype)
     meta = {
         "data_file": str(edits_path),
-        "data_sha256": _sha256(edits_path),
+        "data_sha256": file_sha256(edits_path),
         "data_limit": args.limit,
         "operator_dir": str(args.operator) if args.operator else None,
         "command": _command(args),

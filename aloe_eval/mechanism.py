@@ -7,7 +7,6 @@ Partitions are fixed by the config's seed; each seed trains a fresh encoder on t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from aloe_build.checkpoints import save_tensors_atomically
+from aloe_build.checkpoints import file_sha256, save_tensors_atomically
 from aloe_build.config import BuildConfig
 from aloe_build.corpus import CORPUS_VERSION, Corpus
 from aloe_build.data import load_edits
@@ -59,7 +58,7 @@ def _states_identity(model, corpus_path: str | Path, layer: int, cfg: BuildConfi
     """What the collected states depend on: a states file made for another identity is not reused."""
     site = locate_down_proj(model, layer)
     return {"weight": weight_fingerprint(site.weight()), "layer": layer,
-            "corpus_sha256": hashlib.sha256(Path(corpus_path).read_bytes()).hexdigest(),
+            "corpus_sha256": file_sha256(corpus_path),
             "corpus_version": CORPUS_VERSION, "same_subject": cfg.encoder_same_subject, "seed": cfg.seed,
             "batch_size": cfg.batch_size, "dev_items": dev_items, "protocols": sorted(protocols)}
 

@@ -81,4 +81,3 @@ def test_batch_loss_matches_the_term_by_term_reference(batch_negatives, threshol
     got = float(batch_loss(cs, torch.tensor(b), Q, K, log_c, threshold, cfg))
     want = _reference(cs, b, Q, K, math.exp(0.8), 0.3, cfg)
     assert got == pytest.approx(want, rel=1e-10)
-
