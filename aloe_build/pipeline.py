@@ -330,8 +330,16 @@ class _Build:
                 shared.append(edited_forward(self.model, self.tokenizer, tseqs, target_lens, train_owner, gated, cfg))
             return shared[0]
 
+        # what each slot's write target is fitted on: its request (row i), and with target_chat_forms its chat forms
+        rows_of = [[i] for i in range(n)]
+        if cfg.target_chat_forms:
+            chat = set(seqs.trained)
+            for k, (j, owner) in enumerate(zip(train_seqs, train_owner)):
+                if j in chat:
+                    rows_of[owner].append(k)
+
         def targets() -> tuple[dict[str, torch.Tensor], dict]:
-            deltas, nll, produced = write_targets(forward(), cfg, self.ckpt.parts("6_targets"))
+            deltas, nll, produced = write_targets(forward(), cfg, self.ckpt.parts("6_targets"), rows_of)
             return {"Y": deltas}, {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced}
 
         Y = self.stage("6_targets", targets)["Y"]

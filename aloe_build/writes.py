@@ -38,18 +38,24 @@ def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens:
                          desc="stages 6-8: gates and layer outputs", owners=owners)
 
 
-def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None = None
-                  ) -> tuple[torch.Tensor, list[float], float]:
-    """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its request with out += g_i(h) delta_i.
+def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None = None,
+                  rows_of: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, list[float], float]:
+    """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its sequences with out += g_i(h) delta_i.
 
-    Each batch runs ``target_steps`` steps, then keeps going (up to ``target_max_steps``) on the
-    edits whose target is not yet produced greedily; an edit leaves the batch once it is, with
-    the delta of that step. Returns the deltas, each edit's final NLL and the share produced.
-    With ``parts`` each batch is saved as it finishes and read back when the stage resumes.
+    ``rows_of[i]`` lists the sequences of ``fwd`` that slot i's delta is fitted on (default: its
+    request, sequence i); with several, the loss is the mean of their NLLs and the slot counts as
+    produced once every one of them is. Each batch runs ``target_steps`` steps, then keeps going
+    (up to ``target_max_steps``) on the edits not yet produced greedily; an edit leaves the batch
+    once it is, with the delta of that step. Returns the deltas, each edit's final NLL (mean over
+    its sequences) and the share produced. With ``parts`` each batch is saved as it finishes and
+    read back when the stage resumes.
     """
     if cfg.target_l2 < 0 or cfg.target_steps < 0 or cfg.target_max_steps < 0:
         raise ValueError("target_l2, target_steps and target_max_steps must be >= 0")
     n = fwd.n_slots
+    rows_of = [[i] for i in range(n)] if rows_of is None else [list(r) for r in rows_of]
+    if len(rows_of) != n or not all(rows_of):
+        raise ValueError(f"rows_of must give at least one sequence for each of the {n} slots")
     deltas = torch.zeros(n, fwd.d_out)
     final_losses = [0.0] * n
     produced = [False] * n
@@ -59,44 +65,55 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     # the bar starts past the batches read back: its rate and time left are this run's
     bar = tqdm(total=len(batches), initial=len(saved), desc="stage 6: write targets", leave=False)
     with fwd.frozen(), bar:
-        for k, rows in enumerate(batches):
+        for k, slots in enumerate(batches):
             piece = parts.get(f"batch-{k}") if k in saved else None
             if piece is None:
-                piece = _target_batch(fwd, rows, cfg)
+                piece = _target_batch(fwd, [rows_of[i] for i in slots], cfg)
                 if parts is not None:
                     parts.put(f"batch-{k}", piece)
                 bar.update(1)
-            deltas[rows] = piece["delta"]
-            for i, v, e in zip(rows, piece["nll"].tolist(), piece["produced"].tolist()):
+            deltas[slots] = piece["delta"]
+            for i, v, e in zip(slots, piece["nll"].tolist(), piece["produced"].tolist()):
                 final_losses[i], produced[i] = v, bool(e)
             bar.set_postfix(nll=f"{float(piece['nll'].mean()):.3f}")
     return deltas, final_losses, sum(produced) / max(n, 1)
 
 
-def _target_batch(fwd: EditedForward, rows: list[int], cfg: BuildConfig) -> dict[str, torch.Tensor]:
-    """Stage 6 for one batch of slots: their deltas, final NLLs and whether each is produced."""
-    delta = torch.zeros(len(rows), fwd.d_out, device=fwd.device, requires_grad=True)
-    out = torch.zeros(len(rows), fwd.d_out)
-    nll_out = torch.zeros(len(rows))
-    produced = torch.zeros(len(rows), dtype=torch.bool)
+def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig) -> dict[str, torch.Tensor]:
+    """Stage 6 for one batch of slots (``rows_of[b]``: the sequences of the b-th): their deltas,
+    final NLLs (mean over each slot's sequences) and whether each is produced."""
+    B = len(rows_of)
+    delta = torch.zeros(B, fwd.d_out, device=fwd.device, requires_grad=True)
+    out = torch.zeros(B, fwd.d_out)
+    nll_out = torch.zeros(B)
+    produced = torch.zeros(B, dtype=torch.bool)
     opt = torch.optim.Adam([delta], lr=cfg.target_lr)
-    live = list(range(len(rows)))  # batch positions still optimised
-    sub = rows
-    g = fwd.own_gates(sub)[..., None]  # (B, W, 1)
+    live = list(range(B))  # batch positions still optimised
+
+    def flatten(live: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """The sequences of the live slots, the live position of each, and the live slots' gates on them."""
+        rows = [r for b in live for r in rows_of[b]]
+        at = torch.tensor([k for k, b in enumerate(live) for _ in rows_of[b]], device=fwd.device)
+        return rows, at, fwd.own_gates(rows)[..., None]  # gates (R, W, 1)
+
+    rows, at, g = flatten(live)
     for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
-        nll, exact = fwd.scored(sub, g * delta[live][:, None, :])
+        nll_rows, exact_rows = fwd.scored(rows, g * delta[live][at][:, None, :])
+        count = torch.zeros(len(live), device=fwd.device).index_add(0, at, torch.ones_like(nll_rows))
+        nll = torch.zeros(len(live), device=fwd.device).index_add(0, at, nll_rows) / count
+        missed = torch.zeros(len(live), device=fwd.device).index_add(0, at, (~exact_rows).float().to(fwd.device))
+        exact = (missed == 0).cpu()
         # record the deltas just scored: an edit that leaves keeps the delta that produced it
         out[live] = delta.detach()[live].float().cpu()
         nll_out[live] = nll.detach().float().cpu()
-        produced[live] = exact.cpu()
+        produced[live] = exact
         if step >= cfg.target_steps:
             keep = ~exact
             if not keep.any() or step >= cfg.target_max_steps:
                 break
             if not keep.all():  # some edits left: a smaller batch from here on
                 live = [b for b, k in zip(live, keep.tolist()) if k]
-                sub = [rows[b] for b in live]
-                g = fwd.own_gates(sub)[..., None]
+                rows, at, g = flatten(live)
                 nll = nll[keep.to(nll.device)]
         loss = nll.sum() + cfg.target_l2 * (delta[live] ** 2).sum()
         if not torch.isfinite(loss):

@@ -10,7 +10,8 @@ tokens. Metrics, per system prompt:
   model's answer (up to its end of turn);
 - ``unedited_efficacy``: how often the unedited model already gives the target (the floor).
 
-For an editor with slots (ALOE), ``gates`` holds the own slot's gate at the last prompt token (the
+For an editor with slots (ALOE), ``locality_changes`` says which gates changed the locality answers
+that changed (:func:`changed_locality_gates`), and ``gates`` holds the own slot's gate at the last prompt token (the
 template's assistant header, where the answer starts): its mean, the share of requests where it is
 open (at least ``open_threshold``), and the misses split as in the plain protocol: ``address`` (the
 gate is not open) or ``write`` (it is, and the answer still lacks the target).
@@ -86,6 +87,40 @@ def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system:
             "misses": {"address": int((m & (g < open_threshold)).sum()), "write": int((m & (g >= open_threshold)).sum())}}
 
 
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first index where two answers differ (the shorter one's length if one is a prefix of the other)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[list[int]],
+                           unedited: Sequence[list[int]], edited: Sequence[list[int]], owner_slots: Sequence[int | None],
+                           open_threshold: float = 0.5, batch_size: int = 32) -> dict[str, Any]:
+    """Where the changed chat-locality answers changed: for each, the largest gate of any slot on the
+    states that predict its answer up to the first changed token (the chat prompt, then the unedited
+    answer so far), counted by size (``open``: at least ``open_threshold``; ``small``; ``closed``: no
+    gate at all, so not the operator's doing), by slot (the locality prompt's own edit's or another)
+    and by where it sits (in the prompt or in the answer)."""
+    seqs, prompt_lens = [], []
+    for p, a, b in zip(prompts, unedited, edited):
+        seqs.append(list(p) + list(a[: _first_difference(a, b)]))
+        prompt_lens.append(len(p))
+    counts = {"changed": len(seqs), "open": 0, "small": 0, "closed": 0, "own_slot": 0, "other_slot": 0,
+              "in_prompt": 0, "in_answer": 0}
+    if not seqs:
+        return counts
+    batch = collect_states(model, tokenizer, seqs, editor.layer, None, batch_size)
+    for i, (n_prompt, own) in enumerate(zip(prompt_lens, owner_slots)):
+        g = editor.slot_activations(batch.of(i))  # (positions, slots)
+        best, pos = g.max(1).values.max(0)
+        if float(best) <= 0:
+            counts["closed"] += 1
+            continue
+        counts["open" if float(best) >= open_threshold else "small"] += 1
+        counts["own_slot" if int(g[pos].argmax()) == own else "other_slot"] += 1
+        counts["in_prompt" if int(pos) < n_prompt else "in_answer"] += 1
+    return counts
+
+
 def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *, batch_size: int = 32,
                     progress: bool = True, systems: dict[str, str | None] | None = None,
                     tokens: int = CHAT_TOKENS, open_threshold: float = 0.5) -> dict[str, Any]:
@@ -127,6 +162,11 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
         }
         if editor.has_slots and editor.layer is not None:
             out[name]["gates"] = own_gates(model, tokenizer, requests, editor, system, hit, open_threshold, batch_size)
+            changed = [k for k, (a, b) in enumerate(zip(loc, base_loc)) if a != b]
+            loc_prompts = [chat_prompt(tokenizer, locs[k], system) for k in changed]
+            out[name]["locality_changes"] = changed_locality_gates(
+                model, tokenizer, editor, loc_prompts, [base_loc[k] for k in changed], [loc[k] for k in changed],
+                [editor.slot_of(requests[loc_owner[k]], loc_owner[k]) for k in changed], open_threshold, batch_size)
     return out
 
 
@@ -143,4 +183,13 @@ def chat_markdown(result: dict[str, Any]) -> str:
                      if g and g["mapped"] else "n/a | n/a | n/a")
             lines.append(f"| {name} | {r['efficacy']:.4f} | {r['efficacy_prefix']:.4f} | "
                          f"{r['unedited_efficacy']:.4f} | {loc} | {gates} |")
+    changes = [(name, r["locality_changes"]) for name, r in result.items()
+               if isinstance(r, dict) and "locality_changes" in r]
+    if changes:
+        lines += ["", "Changed chat-locality answers, by the largest gate before the first changed token:", "",
+                  "| system prompt | changed | gate open / small / none | own edit's slot / another | in prompt / in answer |",
+                  "|---|---|---|---|---|"]
+        for name, c in changes:
+            lines.append(f"| {name} | {c['changed']} | {c['open']} / {c['small']} / {c['closed']} | "
+                         f"{c['own_slot']} / {c['other_slot']} | {c['in_prompt']} / {c['in_answer']} |")
     return "\n".join(lines)

@@ -96,16 +96,20 @@ def test_cached_prefix_gives_the_same_loss_and_gradient(family, longer_target):
     torch.testing.assert_close(grad_c, grad_f, rtol=1e-4, atol=1e-6)
 
 
-def _slot_per_sequence(family: str = "llama"):
+def _slot_per_sequence(family: str = "llama", extra_form: bool = False):
     """A tiny model, four prompt + target sequences and an operator whose slot i opens on the
-    prompt end and target positions of sequence i."""
+    prompt end and target positions of sequence i (with ``extra_form``, a fifth sequence, slot 0's
+    request asked another way, on which slot 0 opens too)."""
     from aloe_kernels.hf import locate_down_proj
 
     model, tok = tiny_model(family, num_layers=3), tiny_tokenizer()
     texts = ["The capital of France is Paris Rome", "Toko Yasuda plays the guitar piano",
              "What is the product made by UniFirst ? uniform aircraft", "The Eiffel Tower is in Rome Paris"]
-    seqs = [tok(t)["input_ids"] for t in texts]
     lens = [1, 1, 2, 1]
+    if extra_form:
+        texts.append("Question: which city is the capital of France? Answer: Paris Rome")
+        lens.append(1)
+    seqs = [tok(t)["input_ids"] for t in texts]
     site = locate_down_proj(model, 1)
     box = {}
     handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
@@ -116,6 +120,9 @@ def _slot_per_sequence(family: str = "llama"):
             states.append(box["h"][0, -lens[len(states)] - 1:])
     handle.remove()
     unit = [torch.nn.functional.normalize(h.double(), dim=1) for h in states]
+    if extra_form:  # slot 0's anchors: its request's and the fifth sequence's
+        *unit, extra = unit
+        unit[0] = torch.cat([unit[0], extra])
     V = torch.stack([torch.nn.functional.normalize(u.mean(0), dim=0) for u in unit])
     tau = torch.stack([(u @ v).min() - 0.05 for u, v in zip(unit, V)])
     op = AloeOperator(addresses=V, thresholds=tau, temperatures=torch.full((len(V),), 30.0, dtype=torch.float64),
@@ -145,6 +152,35 @@ def test_write_targets_keep_going_until_targets_are_produced():
         nll, exact = fwd.scored(rows, g * deltas[:, None, :])
     assert exact.float().mean().item() == pytest.approx(produced_long)
     torch.testing.assert_close(nll, torch.tensor(nll_long), atol=1e-4, rtol=1e-4)
+
+
+def test_write_targets_fit_a_slot_on_all_its_sequences():
+    """With ``rows_of`` a slot's delta is fitted on several of its sequences (a request and its
+    chat form): the reported NLL is the mean over them under the returned delta, the slot counts as
+    produced only when all are, and the second form is fitted better than by the request alone."""
+    from aloe_build.edited_forward import EditedForward
+    from aloe_build.writes import write_targets
+
+    model, tok, seqs, lens, op = _slot_per_sequence(extra_form=True)  # sequence 4: a second form of slot 0
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=5, owners=[0, 1, 2, 3, 0])
+    cfg = BuildConfig(target_steps=5, target_max_steps=150, target_lr=0.05, target_batch=1)
+    with fwd.frozen():
+        d_one, _, _ = write_targets(fwd, cfg)
+        d_all, nll_all, produced_all = write_targets(fwd, cfg, rows_of=[[0, 4], [1], [2], [3]])
+    rows, owner = [0, 4, 1, 2, 3], [0, 0, 1, 2, 3]
+    g = fwd.own_gates(rows)[..., None]
+    assert (g[1] > 0).any()  # slot 0 opens on its second form
+    with torch.no_grad():
+        nll, exact = fwd.scored(rows, g * d_all[owner][:, None, :])
+        nll_req_only = fwd.scored([4], g[1:2] * d_one[0])[0]
+    want = [float(nll[:2].mean()), *nll[2:].tolist()]
+    assert nll_all == pytest.approx(want, abs=1e-4)
+    made = [bool(exact[0] and exact[1]), *map(bool, exact[2:])]
+    assert produced_all == pytest.approx(sum(made) / 4)
+    assert float(nll[1]) < float(nll_req_only)
+    torch.testing.assert_close(d_all[1:], d_one[1:])  # one sequence each, a batch each: the same fit
+    with pytest.raises(ValueError, match="at least one sequence"):
+        write_targets(fwd, cfg, rows_of=[[0], [], [2], [3]])
 
 
 def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():

@@ -123,3 +123,60 @@ def test_chat_gates_split_misses_into_address_and_write():
     assert g["mapped"] == 3 and g["open_share"] == pytest.approx(1 / 3)
     assert g["misses"] == {"address": 1, "write": 1}
     assert 0.5 <= g["own_gate_mean"] * 3 <= 1.0  # slot 0's gate, the others exactly 0
+
+
+def test_changed_locality_gates_locate_the_gate_that_changed_an_answer():
+    """Three changed answers: one changed where slot 0 opens (its own edit's slot, the chat prompt's
+    last token), one where no gate opens (a plain prompt), one after the answer's second token, where slot 1 opens
+    (another edit's slot). Counted as a float64 gate computation over one-at-a-time forwards says."""
+    from aloe_eval.chat import changed_locality_gates
+    from aloe_eval.editors import AloeEditor
+    from aloe_kernels import AloeOperator
+    from aloe_kernels.hf import locate_down_proj
+    from aloe_kernels.reference import gates_from_scores
+    from tests.helpers import operator_opening_on
+
+    model, tok = _setup()
+    site = locate_down_proj(model, 1)
+    box = {}
+    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
+
+    def states(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+        return box["h"][0]
+
+    # b is asked without the template: the tiny model's states at the template's last tokens are alike
+    a, b = chat_prompt(tok, "The capital of France is", None), tok("The Eiffel Tower is located in")["input_ids"]
+    answer = [40, 41, 42]
+    h_a = states(a + answer[:2])
+    op = operator_opening_on(torch.stack([h_a[len(a) - 1], h_a[len(a) + 1]]), n_extra=1, d_out=site.d_out)
+    tau = op.thresholds.clone()
+    tau[1] = 0.85  # slot 1's own gate differs from slot 0's: no tie at the maximum
+    op = AloeOperator(addresses=op.addresses, thresholds=tau, temperatures=op.temperatures, writes=op.writes,
+                      layer=1, weight_fingerprint="unchecked")
+    prompts = [a, b, a]
+    unedited = [answer, answer, answer]
+    edited = [[43], [43, 41], answer[:2] + [43]]
+    owners = [0, 1, 0]
+    got = changed_locality_gates(model, tok, AloeEditor(op, check_fingerprint=False), prompts, unedited, edited,
+                                 owners, batch_size=2)
+    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
+    want = {"changed": 3, "open": 0, "small": 0, "closed": 0, "own_slot": 0, "other_slot": 0,
+            "in_prompt": 0, "in_answer": 0}
+    V, t, al = (x.double() for x in (op.addresses, op.thresholds, op.temperatures))
+    for p, cut, own in zip(prompts, [0, 0, 2], owners):
+        h = torch.nn.functional.normalize(states(p + answer[:cut]).double(), dim=1)
+        g = gates_from_scores(h @ V.T, t, al, op.gate_eps)
+        best = g.max()
+        if best <= 0:
+            want["closed"] += 1
+            continue
+        pos, slot = divmod(int(g.argmax()), g.shape[1])
+        want["open" if best >= 0.5 else "small"] += 1
+        want["own_slot" if slot == own else "other_slot"] += 1
+        want["in_prompt" if pos < len(p) else "in_answer"] += 1
+    handle.remove()
+    assert got == want
+    assert want == {"changed": 3, "open": 2, "small": 0, "closed": 1, "own_slot": 1, "other_slot": 1,
+                    "in_prompt": 1, "in_answer": 1}
