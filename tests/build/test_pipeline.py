@@ -309,6 +309,35 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
             assert not _rows_contain(roll["anchors"][roll["anchor_owner"] != i], h)
 
 
+def test_target_chat_forms_fit_each_write_target_on_its_request_and_chat_form(tmp_path, monkeypatch):
+    """With ``target_chat_forms`` stage 6 fits slot i's target on its request and on its chat form
+    (the sequence of chat prompt + answer); without, on the request alone."""
+    import aloe_build.pipeline as pipeline
+    from aloe_build.tokens import chat_answer, chat_prompt, encode_continuation
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    edits = _edits()[:3]
+    seen = []
+    real = pipeline.write_targets
+
+    def spy(fwd, cfg, parts=None, rows_of=None):
+        seen.append(([fwd.seqs[j] for j in rows] for rows in rows_of))
+        return real(fwd, cfg, parts, rows_of)
+
+    monkeypatch.setattr(pipeline, "write_targets", spy)
+    for forms in (False, True):
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0,
+                                                    target_chat_forms=forms), out_dir=tmp_path / f"t{forms}", log=None)
+        fitted_on = list(seen.pop())
+        for e, seqs in zip(edits, fitted_on):
+            prompt, target = encode_continuation(tok, e.prompt, e.target_new)
+            want = [list(prompt) + list(target)]
+            if forms:
+                want.append(chat_prompt(tok, e.prompt) + chat_answer(tok, e.target_new))
+            assert seqs == want
+
+
 def test_chat_positives_bring_chat_form_negatives(tmp_path):
     """With ``positives_chat``: (a) corpus requests asked through the chat template are shared
     negatives (their last prompt position included); (b) each edit's first ``negatives_chat_own``
