@@ -98,5 +98,6 @@ def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path,
     assert d["default_system"]["system"] is None and d["system_1"]["locality_prompts"] == d["default_system"]["locality_prompts"]
     assert not (out / "eval_report.json").exists()
     first_table = (out / "chat.md").read_text().split("\n\n")[1]
-    assert [line.split(" | ")[0] for line in first_table.splitlines()[2:]] == ["| default_system", "| custom_system", "| system_1"]
+    rows = [line.split(" | ")[0] for line in first_table.splitlines()[2:]]
+    assert rows == ["| default_system", "| custom_system", "| system_1"]
     assert "--chat only --chat-system 'answer in one word'" in d["meta"]["command"]
