@@ -63,8 +63,13 @@ def chat_header_length(tokenizer, system: str | None = None) -> int:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": mark}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     head = encode_prompt(tokenizer, text[: text.index(mark)], special=False)
-    full = chat_prompt(tokenizer, "Question", system)
-    return next((k for k, (x, y) in enumerate(zip(head, full)) if x != y), min(len(head), len(full)))
+    return common_prefix_length(head, chat_prompt(tokenizer, "Question", system))
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: the first index where they differ, or the
+    shorter one's length if it is a prefix of the other."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def chat_template_key(tokenizer, systems: Sequence[str] = ()) -> str:

@@ -90,16 +90,17 @@ def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig
     opt = torch.optim.Adam([delta], lr=cfg.target_lr)
     live = list(range(B))  # batch positions still optimised
 
-    def flatten(live: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """The sequences of the live slots, the live position of each, and the live slots' gates on them."""
+    def flatten(live: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences of the live slots, the live position of each, how many each live slot has,
+        and the live slots' gates on their sequences."""
         rows = [r for b in live for r in rows_of[b]]
         at = torch.tensor([k for k, b in enumerate(live) for _ in rows_of[b]], device=fwd.device)
-        return rows, at, fwd.own_gates(rows)[..., None]  # gates (R, W, 1)
+        count = torch.tensor([float(len(rows_of[b])) for b in live], device=fwd.device)
+        return rows, at, count, fwd.own_gates(rows)[..., None]  # gates (R, W, 1)
 
-    rows, at, g = flatten(live)
+    rows, at, count, g = flatten(live)
     for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
         nll_rows, exact_rows = fwd.scored(rows, g * delta[live][at][:, None, :])
-        count = torch.zeros(len(live), device=fwd.device).index_add(0, at, torch.ones_like(nll_rows))
         nll = torch.zeros(len(live), device=fwd.device).index_add(0, at, nll_rows) / count
         missed = torch.zeros(len(live), device=fwd.device).index_add(0, at, (~exact_rows).float().to(fwd.device))
         exact = (missed == 0).cpu()
@@ -113,7 +114,7 @@ def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig
                 break
             if not keep.all():  # some edits left: a smaller batch from here on
                 live = [b for b, k in zip(live, keep.tolist()) if k]
-                rows, at, g = flatten(live)
+                rows, at, count, g = flatten(live)
                 nll = nll[keep.to(nll.device)]
         loss = nll.sum() + cfg.target_l2 * (delta[live] ** 2).sum()
         if not torch.isfinite(loss):

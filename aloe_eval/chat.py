@@ -25,7 +25,7 @@ import torch
 
 from aloe_build.forward import greedy_generate
 from aloe_build.states import collect_states
-from aloe_build.tokens import chat_prompt, pad_id
+from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id
 
 from .editors import Editor
 
@@ -87,11 +87,6 @@ def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system:
             "misses": {"address": int((m & (g < open_threshold)).sum()), "write": int((m & (g >= open_threshold)).sum())}}
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    """The first index where two answers differ (the shorter one's length if one is a prefix of the other)."""
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[list[int]],
                            unedited: Sequence[list[int]], edited: Sequence[list[int]], owner_slots: Sequence[int | None],
                            open_threshold: float = 0.5, batch_size: int = 32) -> dict[str, Any]:
@@ -102,7 +97,7 @@ def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[l
     and by where it sits (in the prompt or in the answer)."""
     seqs, prompt_lens = [], []
     for p, a, b in zip(prompts, unedited, edited):
-        seqs.append(list(p) + list(a[: _first_difference(a, b)]))
+        seqs.append(list(p) + list(a[: common_prefix_length(a, b)]))
         prompt_lens.append(len(p))
     counts = {"changed": len(seqs), "open": 0, "small": 0, "closed": 0, "own_slot": 0, "other_slot": 0,
               "in_prompt": 0, "in_answer": 0}

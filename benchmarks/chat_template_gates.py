@@ -17,8 +17,8 @@ import torch
 
 from aloe_build.states import collect_states
 from aloe_build.tokens import chat_prompt
+from aloe_build.writes import gates_of
 from aloe_kernels import AloeOperator
-from aloe_kernels.reference import gates_from_scores
 
 QUESTION = "The place of birth of Ingrida Amantova is"
 
@@ -28,9 +28,7 @@ def open_positions(model, tokenizer, op: AloeOperator, question: str, system: st
     """(position, token, slot, gate) of each position of the chat prompt where some gate is open,
     with the slot of the largest gate there."""
     ids = chat_prompt(tokenizer, question, system)
-    h = collect_states(model, tokenizer, [ids], op.layer).states
-    V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
-    gate, slot = gates_from_scores(h @ V.T, tau, alpha, op.gate_eps).max(1)
+    gate, slot = gates_of(collect_states(model, tokenizer, [ids], op.layer).states, op).max(1)
     return [(p, tokenizer.decode(ids[p: p + 1]), int(slot[p]), float(gate[p]))
             for p in range(len(ids)) if gate[p] > 0]
 
