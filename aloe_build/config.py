@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .system_prompts import GENERIC_SYSTEM_PROMPTS
+
 #: Stage numbers of the paper's Method section.
 STAGES = {
     1: "address encoder",
@@ -104,13 +106,23 @@ class BuildConfig:
     # many corpus records asked through the same template (every position after the shared header,
     # and the unedited answer's first tokens), shared by every edit and cached like the pool...
     negatives_chat_pool: int = _at(3, 400)
-    # ...and the first this many of each edit's own negative prompts (other relations of its subject
-    # first) asked the same way, negatives of its slot
-    negatives_chat_own: int = _at(3, 2)
+    # ...and this many of each edit's own negative prompts, one of each kind in turn (another relation
+    # of its subject, its relation of another subject, ..., the exclusion rewording), asked the same
+    # way, negatives of its slot
+    negatives_chat_own: int = _at(3, 6)
     # With chat positives, more system prompts to build under (a deployment's own, for example):
     # each request is also asked after each of them, and the chat-form pool's records are shared
     # out among the default and these prompts in turn (the pool keeps its size)
     chat_systems: tuple[str, ...] = _at(3, ())
+    # With chat positives, the unedited model's answers to chat-form negatives run this many tokens,
+    # as far as a served answer is read (the chat evaluation reads 32); the answers to each request's
+    # chat forms are negatives of every other slot, as its plain continuation is
+    negatives_chat_answer_tokens: int = _at(3, 32)
+    # With chat positives, the template's header after this many generic system prompts
+    # (system_prompts.GENERIC_SYSTEM_PROMPTS), every position, and a few pool questions asked after
+    # each, with their answers: shared negatives, so that no slot opens on a system turn it was not
+    # built under (one that does changes every answer served with it)
+    negatives_chat_systems: int = _at(3, 32)
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = _at(4, 3000)
@@ -189,6 +201,9 @@ class BuildConfig:
         self.chat_systems = tuple(self.chat_systems)
         if not all(isinstance(t, str) and t.strip() for t in self.chat_systems):
             raise ValueError("BuildConfig: chat_systems must be non-empty strings")
+        if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):
+            raise ValueError(f"BuildConfig: negatives_chat_systems must be between 0 and "
+                             f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)")
 
     def fields_up_to(self, stage: int) -> dict[str, Any]:
         """The fields that stages 1..stage depend on (a checkpoint of that stage stays valid

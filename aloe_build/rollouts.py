@@ -28,6 +28,7 @@ from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_temp
 from .forward import Tick, greedy_generate, teacher_forced
 from .shared_prefix import collect_states_shared
 from .slots import Slot
+from .system_prompts import GENERIC_SYSTEM_PROMPTS
 from .tokens import chat_answer, chat_header_length, chat_prompt, chat_template_key, encode_continuation, encode_prompt, pad_id
 
 
@@ -98,11 +99,8 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
             for text in corpus.same_relation_prompts(s.template, s.subject, cfg.positives_same_relation, para_rng):
                 seqs.add(encode_prompt(tokenizer, text), i, soft=True, along=True)
     # The request as a chat model is asked: the answer starts with the target (no leading space).
-    if cfg.positives_chat:
-        for system in (None, *cfg.chat_systems):
-            for i, s in enumerate(slots):
-                seqs.add(chat_prompt(tokenizer, s.prompt, system), i, soft=False, along=True,
-                         target=chat_answer(tokenizer, s.target))
+    for i, ids in chat_forms(tokenizer, slots, cfg):
+        seqs.add(ids, i, soft=False, along=True, target=chat_answer(tokenizer, slots[i].target))
     # The request after corpus statements: the edit must fire whatever text comes before it, so
     # these anchors are required like the request's own.
     prefix_rng = random.Random(cfg.seed + 3)
@@ -112,8 +110,17 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
     return seqs
 
 
+def chat_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple[int, list[int]]]:
+    """(slot, token ids) of each request asked through the chat template, after the template's
+    default system prompt and then after each of ``cfg.chat_systems``; none without chat positives."""
+    if not cfg.positives_chat:
+        return []
+    return [(i, chat_prompt(tokenizer, s.prompt, system)) for system in (None, *cfg.chat_systems)
+            for i, s in enumerate(slots)]
+
+
 def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_size: int, desc: str,
-              parts: PartStore | None = None) -> list[list[int]]:
+              parts: PartStore | None = None, name: str = "continuations") -> list[list[int]]:
     """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
     cut before an end-of-sequence token (a server stops there and never feeds it back)."""
     if tokens <= 0 or not prompts:
@@ -124,7 +131,7 @@ def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_siz
         return greedy_generate(model, prompts[lo:hi], tokens, pad_id=pad_id(tokenizer), batch_size=batch_size,
                                tick=tick)
 
-    gens = chunked_token_lists(parts, "continuations", len(prompts), generate, desc)
+    gens = chunked_token_lists(parts, name, len(prompts), generate, desc)
     return [list(p) + (g[: g.index(eos)] if eos in g else g) for p, g in zip(prompts, gens)]
 
 
@@ -196,26 +203,37 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
     return pool
 
 
+#: How many of the chat pool's questions are asked again after each generic system prompt.
+QUESTIONS_PER_GENERIC_SYSTEM = 4
+
+
 def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig
                           ) -> torch.Tensor:
     """The requests and locality prompts of the first ``negatives_chat_pool`` corpus records asked
     through the chat template, with the unedited model's answers: states at every position after the
-    template's shared header (that header once): where a chat-form anchor's neighbours lie."""
+    template's shared header (that header once per system prompt): where a chat-form anchor's
+    neighbours lie. A few of them are asked again after each of the first ``negatives_chat_systems``
+    generic system prompts, whose headers hold the tokens that close a system turn."""
     systems = (None, *cfg.chat_systems)
+    generic = GENERIC_SYSTEM_PROMPTS[: cfg.negatives_chat_systems]
 
     def compute() -> torch.Tensor:
         texts = list(dict.fromkeys(t for it in corpus.items[: cfg.negatives_chat_pool] for t in (it.request, it.locality)))
         asked_after = [systems[k % len(systems)] for k in range(len(texts))]
+        again = [texts[k % len(texts)] for k in range(len(generic) * QUESTIONS_PER_GENERIC_SYSTEM)] if texts else []
+        texts += again
+        asked_after += [generic[k // QUESTIONS_PER_GENERIC_SYSTEM] for k in range(len(again))]
         seqs = continued(model, tokenizer, [chat_prompt(tokenizer, t, s) for t, s in zip(texts, asked_after)],
-                         cfg.negative_continuation_tokens, cfg.batch_size, "stage 3: answers of chat negatives")
-        heads = {s: chat_header_length(tokenizer, s) for s in systems}
+                         cfg.negatives_chat_answer_tokens, cfg.batch_size, "stage 3: answers of chat negatives")
+        heads = {s: chat_header_length(tokenizer, s) for s in (*systems, *generic)}
         # each system prompt's header once (its first sequence whole), the rest after the header
-        positions = [range(0 if k < len(systems) else heads[s], len(q)) for k, (q, s) in enumerate(zip(seqs, asked_after))]
+        first = {s: asked_after.index(s) for s in heads if s in asked_after}
+        positions = [range(0 if first[s] == k else heads[s], len(q)) for k, (q, s) in enumerate(zip(seqs, asked_after))]
         return collect_states_shared(model, tokenizer, seqs, layer, positions, cfg.batch_size,
                                      "stage 3: chat negatives").states
 
-    name = (f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negative_continuation_tokens}-"
-            f"{chat_template_key(tokenizer, cfg.chat_systems)}")
+    name = (f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negatives_chat_answer_tokens}-s{len(generic)}-"
+            f"{chat_template_key(tokenizer, (*cfg.chat_systems, *generic))}")
     return _cached_states(path / f"{name}.safetensors", compute)
 
 
@@ -241,28 +259,46 @@ class _Stream:
         self.swap_words = relation_words(self.templates + list(corpus.group_of_template))
 
 
-def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildConfig, rng: random.Random) -> list[str]:
-    """The prompts made for one edit whose states (every position) are negatives of its slot."""
+def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildConfig, rng: random.Random
+                         ) -> list[list[str]]:
+    """The prompts made for one edit whose states (every position) are negatives of its slot, one
+    list per kind: other relations of its subject, its template with other corpus subjects, the
+    stream's other templates with its subject, its template with other stream subjects, word swaps,
+    exclusion rewordings."""
     template = s.template
     group = corpus.group_of_template.get(template or "", s.relation or template or "")
-    texts = corpus.other_relation_prompts(s.subject, group, cfg.negatives_same_subject, rng) if s.subject else []
-    if template:
-        texts += corpus.other_subject_prompts(template, s.subject, cfg.negatives_same_relation, rng)
+    kinds = [corpus.other_relation_prompts(s.subject, group, cfg.negatives_same_subject, rng) if s.subject else []]
+    kinds.append(corpus.other_subject_prompts(template, s.subject, cfg.negatives_same_relation, rng) if template else [])
+    picked: list[str] = []
     if s.subject and cfg.negatives_stream_templates > 0:
         others = [t for t in stream.templates if t != template
                   and not (s.relation and stream.relation_of[t] == s.relation)]
-        picked = stream.rng.sample(others, min(cfg.negatives_stream_templates, len(others)))
-        texts += [t.replace("{}", s.subject) for t in picked]
+        picked = [t.replace("{}", s.subject)
+                  for t in stream.rng.sample(others, min(cfg.negatives_stream_templates, len(others)))]
+    kinds.append(picked)
     other_subjects = [x for x in stream.subjects if x != s.subject]
+    picked = []
     if template and cfg.negatives_stream_subjects > 0:
-        picked = stream.rng.sample(other_subjects, min(cfg.negatives_stream_subjects, len(other_subjects)))
-        texts += [template.replace("{}", x) for x in picked]
+        picked = [template.replace("{}", x)
+                  for x in stream.rng.sample(other_subjects, min(cfg.negatives_stream_subjects, len(other_subjects)))]
+    kinds.append(picked)
+    picked = []
     if template and cfg.negatives_word_swaps > 0:
         swapped = word_swapped_templates(template, stream.swap_words, cfg.negatives_word_swaps, stream.rng)
-        texts += [t.replace("{}", s.subject if j % 2 == 0 or not other_subjects
+        picked = [t.replace("{}", s.subject if j % 2 == 0 or not other_subjects
                             else stream.rng.choice(other_subjects)) for j, t in enumerate(swapped)]
-    texts += exclusion_prompts(s.prompt, s.target, cfg.negatives_exclusions)
-    return texts
+    kinds.append(picked)
+    kinds.append(exclusion_prompts(s.prompt, s.target, cfg.negatives_exclusions))
+    return kinds
+
+
+def in_turn(kinds: Sequence[Sequence[str]], n: int) -> list[str]:
+    """The first ``n`` texts taken one of each kind in turn (the first of every kind, then the
+    second, ...), skipping kinds that have run out."""
+    out: list[str] = []
+    for rank in range(max((len(k) for k in kinds), default=0)):
+        out += [k[rank] for k in kinds if rank < len(k)]
+    return out[:n]
 
 
 def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cfg: BuildConfig,
@@ -294,11 +330,11 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
                 spec_owner.append(i)
 
         add(seqs.prompts[i], range(len(seqs.prompts[i]) - 1))  # earlier positions of the request itself
-        texts = _edit_negative_texts(s, corpus, stream, cfg, rng)
-        for t in texts:
+        kinds = _edit_negative_texts(s, corpus, stream, cfg, rng)
+        for t in (t for k in kinds for t in k):
             ids = encode_prompt(tokenizer, t)
             add(ids, range(len(ids)))
-        for t in texts[: cfg.negatives_chat_own] if cfg.positives_chat else []:
+        for t in in_turn(kinds, cfg.negatives_chat_own) if cfg.positives_chat else []:
             ids = chat_prompt(tokenizer, t)  # the template's header is in the shared chat pool
             add(ids, range(chat_head, len(ids)))
     return spec_seqs, spec_pos, spec_owner
@@ -313,6 +349,16 @@ def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences
                           "stage 3: edit negatives")
     owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
     return spec.states, owner
+
+
+def answer_states(model, tokenizer, prompts: list[list[int]], owner: list[int], layer: int, tokens: int,
+                  batch_size: int, parts: PartStore | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """States along the unedited model's greedy continuation (up to ``tokens``) of each prompt, and
+    the slot each continuation belongs to (``owner`` of its prompt); ``name`` keys the saved chunks."""
+    seqs = continued(model, tokenizer, prompts, tokens, batch_size, f"stage 3: {name} of requests", parts, name)
+    got = chunked_states(parts, f"{name}_negatives", model, tokenizer, seqs, layer,
+                         [range(len(p), len(c)) for p, c in zip(prompts, seqs)], batch_size, f"stage 3: {name} negatives")
+    return got.states, torch.tensor(owner, dtype=torch.long)[got.owner()]
 
 
 def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cache_dir: Path,
@@ -332,18 +378,22 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
                              cfg.batch_size, "stage 3: anchor states")
     pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg)
     pool = pool[not_anchors(pool, anchors.states)]
-    # what the unedited model writes after each request: negatives of every other slot
-    cont_seqs = continued(model, tokenizer, seqs.prompts, cfg.negative_continuation_tokens, cfg.batch_size,
-                          "stage 3: continuations of requests", parts)
-    cont = chunked_states(parts, "continuation_negatives", model, tokenizer, cont_seqs, layer,
-                          [range(len(p), len(c)) for p, c in zip(seqs.prompts, cont_seqs)],
-                          cfg.batch_size, "stage 3: continuation negatives")
-    keep = not_anchors(cont.states, anchors.states)
+    # what the unedited model writes after each request, and answers to its chat forms: negatives
+    # of every other slot
+    cont, cont_owner = answer_states(model, tokenizer, seqs.prompts, list(range(len(slots))), layer,
+                                     cfg.negative_continuation_tokens, cfg.batch_size, parts, "continuations")
+    chat = chat_forms(tokenizer, slots, cfg)
+    chat_cont, chat_owner = answer_states(model, tokenizer, [ids for _, ids in chat], [i for i, _ in chat], layer,
+                                          cfg.negatives_chat_answer_tokens, cfg.batch_size, parts, "chat_answers")
+    keep = not_anchors(cont, anchors.states)
+    chat_keep = not_anchors(chat_cont, anchors.states)
     specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng, parts)
     info = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
             "edit_negatives": int(specific.shape[0]), "continuation_negatives": int(keep.sum()),
+            "chat_answer_negatives": int(chat_keep.sum()),
             "paraphrase_positives": len(seqs.extra_prompts), "slots_with_paraphrases": len(set(seqs.extra_owner))}
     tensors = {"anchors": anchors.states, "anchor_owner": seqs.seq_owner[anchors.owner()],
                "anchor_seq": anchors.owner(), "pool": pool, "specific": specific, "specific_owner": specific_owner,
-               "continuations": cont.states[keep], "continuation_owner": cont.owner()[keep]}
+               "continuations": torch.cat([cont[keep], chat_cont[chat_keep]]),
+               "continuation_owner": torch.cat([cont_owner[keep], chat_owner[chat_keep]])}
     return tensors, info

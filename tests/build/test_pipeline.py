@@ -377,10 +377,12 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
     with_chat = edit_negative_sequences(tok, slots, seqs, corpus, chat_cfg, random.Random(0))
     stream, rng = rollouts._Stream(slots, corpus, chat_cfg.seed), random.Random(0)
     for i, s in enumerate(slots):
-        texts = [encode_prompt(tok, t) for t in rollouts._edit_negative_texts(s, corpus, stream, chat_cfg, rng)]
+        kinds = rollouts._edit_negative_texts(s, corpus, stream, chat_cfg, rng)
+        # one of each kind in turn: the first of the first two non-empty kinds
+        texts = [encode_prompt(tok, k[0]) for k in kinds if k][:2]
         own = [(q, p) for q, p, o in zip(*plain) if o == i]
         both = [(q, p) for q, p, o in zip(*with_chat) if o == i]
-        assert both[: len(own)] == own and len(both) == len(own) + min(2, len(texts))
+        assert both[: len(own)] == own and len(both) == len(own) + len(texts) == len(own) + 2
         for (q, p), text in zip(both[len(own):], texts):
             assert q[head: head + len(text)] == text and list(p) == list(range(head, len(q)))
 
@@ -412,7 +414,7 @@ def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     for i, s in enumerate(slots):
         prompt = seqs.prompts[i]
         want = [tuple(prompt[: t + 1]) for t in range(len(prompt) - 1)]
-        for text in rollouts._edit_negative_texts(s, corpus, stream, cfg, rng):
+        for text in (t for kind in rollouts._edit_negative_texts(s, corpus, stream, cfg, rng) for t in kind):
             ids = encode_prompt(tok, text)
             want += [tuple(ids[: t + 1]) for t in range(len(ids))]
         assert {k for o, k in keys if o == i} == set(want) - pool
@@ -454,6 +456,83 @@ def test_chat_systems_add_a_chat_form_per_system_prompt_and_share_out_the_pool(t
         assert _rows_contain(roll["pool"], collect_states(model, tok, [q], 1, [[len(q) - 1]]).states)
         other = chat_prompt(tok, text, None if k % 2 else system)
         assert not _rows_contain(roll["pool"], collect_states(model, tok, [other], 1, [[len(other) - 1]]).states)
+
+
+def test_chat_builds_take_generic_system_headers_and_chat_answers_as_negatives(tmp_path, monkeypatch):
+    """With chat positives: (a) every position of the template's header after each of the first
+    ``negatives_chat_systems`` generic system prompts is a shared negative, and a question of the
+    pool asked after it, with its answer; none after the prompts beyond them; (b) the unedited
+    model's greedy answer (``negatives_chat_answer_tokens``) to each request's chat form is a
+    negative of every slot but its own."""
+    from safetensors.torch import load_file
+
+    from aloe_build import config, rollouts
+    from aloe_build.states import collect_states
+    from aloe_build.tokens import chat_header_length, chat_prompt
+
+    generic = ("answer the question", "you are a guitar", "the city of Rome")
+    monkeypatch.setattr(config, "GENERIC_SYSTEM_PROMPTS", generic)
+    monkeypatch.setattr(rollouts, "GENERIC_SYSTEM_PROMPTS", generic)
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    edits = _edits()[:3]
+    cfg = _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0, negatives_chat_pool=4,
+                    negatives_chat_systems=2, negatives_chat_answer_tokens=3)
+    build_operator(model, tok, edits, cfg, out_dir=tmp_path / "op", log=None)
+    roll = load_file(str(tmp_path / "op" / "checkpoints" / "3_rollouts.safetensors"))
+
+    def header_states(system):
+        head = chat_header_length(tok, system)
+        return collect_states(model, tok, [chat_prompt(tok, "x", system)[:head]], 1, [range(head)]).states
+
+    for system in generic[:2]:
+        assert _rows_contain(roll["pool"], header_states(system))
+    assert not _rows_contain(roll["pool"], header_states(generic[2])[-1:])
+
+    def greedy(ids, n):
+        """The unedited model's greedy continuation, one full forward per token, cut before <eos>."""
+        out = list(ids)
+        for _ in range(n):
+            with torch.no_grad():
+                nxt = int(model(torch.tensor([out])).logits[0, -1].argmax())
+            if nxt == 2:
+                break
+            out.append(nxt)
+        return out
+
+    for i, e in enumerate(edits):
+        ids = chat_prompt(tok, e.prompt)
+        full = greedy(ids, 3)
+        want = collect_states(model, tok, [full], 1, [range(len(ids), len(full))]).states
+        assert want.shape[0] > 0
+        assert _rows_contain(roll["continuations"][roll["continuation_owner"] == i], want)
+        assert not _rows_contain(roll["continuations"][roll["continuation_owner"] != i], want)
+
+
+def test_negatives_chat_systems_cannot_exceed_the_generic_prompts():
+    from aloe_build.system_prompts import GENERIC_SYSTEM_PROMPTS
+
+    with pytest.raises(ValueError, match="negatives_chat_systems"):
+        BuildConfig(negatives_chat_systems=len(GENERIC_SYSTEM_PROMPTS) + 1)
+
+
+def test_in_turn_takes_one_of_each_kind_then_the_next():
+    from aloe_build.rollouts import in_turn
+
+    kinds = [["a1", "a2", "a3"], [], ["c1"], ["d1", "d2"]]
+    assert in_turn(kinds, 3) == ["a1", "c1", "d1"]
+    assert in_turn(kinds, 5) == ["a1", "c1", "d1", "a2", "d2"]
+    assert in_turn(kinds, 10) == ["a1", "c1", "d1", "a2", "d2", "a3"]
+    assert in_turn([], 4) == [] and in_turn(kinds, 0) == []
+
+
+def test_generic_system_prompts_leave_out_the_chat_evaluations_own():
+    """The chat evaluation asks after system prompts the build never saw."""
+    from aloe_build.system_prompts import GENERIC_SYSTEM_PROMPTS
+    from aloe_eval.chat import SYSTEMS
+
+    assert not {s for s in SYSTEMS.values() if s} & set(GENERIC_SYSTEM_PROMPTS)
+    assert len(set(GENERIC_SYSTEM_PROMPTS)) == len(GENERIC_SYSTEM_PROMPTS)
 
 
 def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
