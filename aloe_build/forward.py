@@ -7,6 +7,7 @@ convention of :mod:`aloe_build.tokens`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -37,6 +38,25 @@ def model_device(model: nn.Module) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:  # pragma: no cover
         return torch.device("cpu")
+
+
+#: The precisions a build may run forward passes in ("float32": the model's own dtype).
+PASS_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
+def autocast_dtype(name: str) -> torch.dtype | None:
+    """The autocast dtype of a build precision name (None: no autocast)."""
+    if name not in PASS_DTYPES:
+        raise ValueError(f"unknown pass precision {name!r}; use one of {', '.join(PASS_DTYPES)}")
+    return PASS_DTYPES[name]
+
+
+def in_precision(model: nn.Module, name: str) -> contextlib.AbstractContextManager:
+    """A context that runs the model's forward passes in precision ``name`` (autocast for bfloat16)."""
+    dtype = autocast_dtype(name)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(model_device(model).type, dtype=dtype)
 
 
 def batches(order: list[int], size: int) -> Iterable[list[int]]:

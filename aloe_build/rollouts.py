@@ -25,7 +25,7 @@ from .checkpoints import PartStore, save_tensors_atomically
 from .chunked import chunked_states, chunked_token_lists
 from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
-from .forward import Tick, greedy_generate, teacher_forced
+from .forward import Tick, greedy_generate, in_precision, teacher_forced
 from .shared_prefix import collect_states_shared
 from .slots import Slot
 from .system_prompts import GENERIC_SYSTEM_PROMPTS
@@ -380,14 +380,15 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
     pool = pool[not_anchors(pool, anchors.states)]
     # what the unedited model writes after each request, and answers to its chat forms: negatives
     # of every other slot
-    cont, cont_owner = answer_states(model, tokenizer, seqs.prompts, list(range(len(slots))), layer,
-                                     cfg.negative_continuation_tokens, cfg.batch_size, parts, "continuations")
-    chat = chat_forms(tokenizer, slots, cfg)
-    chat_cont, chat_owner = answer_states(model, tokenizer, [ids for _, ids in chat], [i for i, _ in chat], layer,
-                                          cfg.negatives_chat_answer_tokens, cfg.batch_size, parts, "chat_answers")
+    with in_precision(model, cfg.negatives_dtype):
+        cont, cont_owner = answer_states(model, tokenizer, seqs.prompts, list(range(len(slots))), layer,
+                                         cfg.negative_continuation_tokens, cfg.batch_size, parts, "continuations")
+        chat = chat_forms(tokenizer, slots, cfg)
+        chat_cont, chat_owner = answer_states(model, tokenizer, [ids for _, ids in chat], [i for i, _ in chat], layer,
+                                              cfg.negatives_chat_answer_tokens, cfg.batch_size, parts, "chat_answers")
+        specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng, parts)
     keep = not_anchors(cont, anchors.states)
     chat_keep = not_anchors(chat_cont, anchors.states)
-    specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng, parts)
     info = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
             "edit_negatives": int(specific.shape[0]), "continuation_negatives": int(keep.sum()),
             "chat_answer_negatives": int(chat_keep.sum()),

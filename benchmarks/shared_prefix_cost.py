@@ -1,10 +1,11 @@
-"""Stage 3's edit-negative states with and without shared prefixes, timed in one process.
+"""Stage 3's edit-negative states collected several ways, timed in one process.
 
 Takes a stream's edit-negative sequences in the order stage 3 runs them (sorted, so that a chunk
 holds sequences with a common beginning), the first ``--sequences`` of them (one chunk is
-``aloe_build.chunked.CHUNK_SEQUENCES``), and collects their states once with a plain pass per
-sequence and once with each shared prefix run once; prints both times, their ratio and the largest
-difference between the two results.
+``aloe_build.chunked.CHUNK_SEQUENCES``), and collects their states with a plain pass per sequence,
+with each shared prefix run once, and with shared prefixes under bfloat16 autocast (the build's
+``negatives_dtype="bfloat16"``); prints each time, its ratio to the plain pass and how far its unit
+states lie from the plain ones.
 
     python -m benchmarks.shared_prefix_cost --edits $DATA/counterfact/counterfact-val.json --limit 839
 """
@@ -20,6 +21,7 @@ import torch
 from aloe_build.config import BuildConfig
 from aloe_build.corpus import load_corpus
 from aloe_build.data import load_edits
+from aloe_build.forward import in_precision
 from aloe_build.models import default_layer, load_model
 from aloe_build.rollouts import edit_negative_sequences, token_sequences
 from aloe_build.shared_prefix import collect_states_shared, prefix_groups
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--layer", type=int, default=None, help="default: the model's default edit layer")
     ap.add_argument("--sequences", type=int, default=4096)
+    ap.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, help="sequences per forward pass")
+    ap.add_argument("--ways", default="plain,shared,shared-bfloat16",
+                    help="comma-separated, of plain, shared, shared-bfloat16 (the first is the reference)")
     args = ap.parse_args(argv)
     cfg = BuildConfig()
     model, tok = load_model(args.model)
@@ -44,22 +49,33 @@ def main(argv: list[str] | None = None) -> None:
     spec, pos, _ = edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(cfg.seed))
     order = sorted(range(len(spec)), key=lambda i: tuple(spec[i]))[: args.sequences]
     spec, pos = [spec[i] for i in order], [pos[i] for i in order]
-    groups = prefix_groups(spec, max_members=4 * cfg.batch_size)
+    groups = prefix_groups(spec, max_members=4 * args.batch_size)
     tokens = sum(len(s) for s in spec)
     after_sharing = sum(g.shared + sum(len(spec[i]) - g.shared for i in g.members) for g in groups)
     print(f"{len(slots)} slots, {len(spec)} sequences, {tokens} token positions, {after_sharing} "
           f"({after_sharing / tokens:.2f}) once each shared prefix runs once; layer {layer}, "
           f"{torch.get_num_threads()} threads")
-    timed = {}
-    for name, fn in (("plain", collect_states), ("shared prefixes", collect_states_shared)):
+    ways = {"plain": (collect_states, "float32"), "shared": (collect_states_shared, "float32"),
+            "shared-bfloat16": (collect_states_shared, "bfloat16")}
+    chosen = args.ways.split(",")
+    unknown = [w for w in chosen if w not in ways]
+    if unknown:
+        ap.error(f"unknown ways {unknown}; use {', '.join(ways)}")
+    reference = None
+    for name in chosen:
+        fn, precision = ways[name]
         t0 = time.perf_counter()
-        got = fn(model, tok, spec, layer, pos, cfg.batch_size)
-        timed[name] = (time.perf_counter() - t0, got)
-        print(f"{name}: {timed[name][0]:.1f} s")
-    (t_plain, plain), (t_shared, shared) = timed["plain"], timed["shared prefixes"]
-    print(f"shared / plain time: {t_shared / t_plain:.2f}; max |difference| of the unit states "
-          f"{float((plain.states - shared.states).abs().max()):.2e}")
-
+        with in_precision(model, precision):
+            got = fn(model, tok, spec, layer, pos, args.batch_size)
+        seconds = time.perf_counter() - t0
+        if reference is None:
+            reference = (seconds, got.states)
+            print(f"{name}: {seconds:.1f} s")
+            continue
+        gap = (got.states - reference[1]).norm(dim=-1)
+        print(f"{name}: {seconds:.1f} s ({seconds / reference[0]:.2f} of {chosen[0]}); distance of the unit states "
+              f"from {chosen[0]}'s: mean {float(gap.mean()):.2e}, 99th percentile {float(gap.quantile(0.99)):.2e}, "
+              f"max {float(gap.max()):.2e}")
 
 if __name__ == "__main__":
     main()

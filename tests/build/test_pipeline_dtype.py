@@ -23,3 +23,33 @@ def test_bfloat16_model_builds_an_operator_that_opens_on_its_requests(tmp_path):
     assert op.weight_fingerprint == weight_fingerprint(locate_down_proj(model32, 1).weight())
     h = last_token_states(model, tok, [e.prompt for e in _edits()[:3]], 1)
     assert (aloe_gates(h, op).diagonal() > 0).all()
+
+
+def test_bfloat16_negatives_change_only_the_edit_negatives(tmp_path):
+    """``negatives_dtype="bfloat16"`` runs the passes behind each edit's negatives under autocast:
+    those states move by bfloat16 rounding, while the anchors and the shared pool are the float32 ones."""
+    from safetensors.torch import load_file
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    rolled = {}
+    for name in ("float32", "bfloat16"):
+        cfg = _tiny_cfg(tmp_path, negatives_dtype=name, refine_steps=2, target_steps=1, finetune_steps=1)
+        build_operator(model, tok, _edits()[:3], cfg, out_dir=tmp_path / name, log=None)
+        rolled[name] = load_file(str(tmp_path / name / "checkpoints" / "3_rollouts.safetensors"))
+    a, b = rolled["float32"], rolled["bfloat16"]
+    assert torch.equal(a["anchors"], b["anchors"]) and torch.equal(a["pool"], b["pool"])
+    assert a["specific"].shape == b["specific"].shape and torch.equal(a["specific_owner"], b["specific_owner"])
+    gap = (a["specific"] - b["specific"]).norm(dim=-1)
+    # unit rows: bfloat16 rounding moves them, but by far less than their length
+    assert 0 < float(gap.max()) < 0.2
+    assert b["specific"].dtype == torch.float32
+
+
+def test_pass_precisions_are_checked():
+    import pytest
+
+    from aloe_build.config import BuildConfig
+
+    for name in ("compute_dtype", "negatives_dtype"):
+        with pytest.raises(ValueError, match=name):
+            BuildConfig(**{name: "float16"})
