@@ -63,14 +63,18 @@ def test_append_adds_a_slot_that_opens_on_its_request_only(built, tmp_path):
     assert op.n == 3 and op.ids == ["a", "b", "c"]
     base = AloeOperator.load(tmp / "base")
     assert torch.equal(op.addresses[:2], base.addresses) and torch.equal(op.writes[:2], base.writes)
-    g = _request_gates(model, tok, op, [e.prompt for e in _edits()[:2]] + [_NEW.prompt])
+    # one batch of states for both operators: a state's float32 rounding depends on its batch's padding
+    h = last_token_states(model, tok, [e.prompt for e in _edits()[:2]] + [_NEW.prompt], 1)
+    g = aloe_gates(h, op)
     assert g[2, 2] > 0 and (g[:2, 2] == 0).all() and (g[2, :2] == 0).all()  # the new slot and the old ones stay apart
     # an old slot keeps its gate unless it would have opened on the new states; then it is shut on them
-    before = _request_gates(model, tok, base, [e.prompt for e in _edits()[:2]]).diagonal()
+    before = aloe_gates(h[:2], base).diagonal()
     moved = (op.thresholds[:2] != base.thresholds).nonzero().squeeze(1).tolist()
     for i in range(2):
         if i not in moved:
-            assert op.temperatures[i] == base.temperatures[i] and g[i, i] == before[i]
+            # the same address, threshold and temperature; the score product's rounding depends on n
+            assert op.temperatures[i] == base.temperatures[i]
+            torch.testing.assert_close(g[i, i], before[i], rtol=1e-3, atol=1e-8)
     new_states = last_token_states(model, tok, [_NEW.prompt], 1)
     if moved:
         assert float(aloe_gates(new_states, op.select(moved)).max()) == 0.0
