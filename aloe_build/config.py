@@ -206,9 +206,13 @@ class BuildConfig:
         self.chat_systems = tuple(self.chat_systems)
         if not all(isinstance(t, str) and t.strip() for t in self.chat_systems):
             raise ValueError("BuildConfig: chat_systems must be non-empty strings")
+        from .forward import autocast_dtype  # the one list of pass precisions
+
         for name in ("compute_dtype", "negatives_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"BuildConfig: {name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+            try:
+                autocast_dtype(getattr(self, name))
+            except ValueError as err:
+                raise ValueError(f"BuildConfig: {name}: {err}") from None
         if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):
             raise ValueError(f"BuildConfig: negatives_chat_systems must be between 0 and "
                              f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)")

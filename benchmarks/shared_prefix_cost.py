@@ -77,5 +77,6 @@ def main(argv: list[str] | None = None) -> None:
               f"from {chosen[0]}'s: mean {float(gap.mean()):.2e}, 99th percentile {float(gap.quantile(0.99)):.2e}, "
               f"max {float(gap.max()):.2e}")
 
+
 if __name__ == "__main__":
     main()
