@@ -38,7 +38,7 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
-from .forward import model_device
+from .forward import in_precision, model_device
 from .shared_prefix import cache_layer_kv, left_padded_cache
 from .states import _StopForward, capture_down_proj_input, normalize_rows, run_captured
 from .tokens import batch_inputs, left_pad, pad_id
@@ -65,11 +65,12 @@ class EditedForward:
 
     ``seqs[i]`` is a training sequence of slot ``owners[i]`` (default: slot i) and
     ``target_lens[i]`` the number of its final tokens scored; ``op`` supplies the
-    layer and the (frozen) gates.
+    layer and the (frozen) gates. ``precision`` names the precision of its passes (a key of
+    :data:`aloe_build.forward.PASS_DTYPES`).
     """
 
     def __init__(self, model: nn.Module, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
-                 op: AloeOperator, batch_size: int = 32, autocast_dtype: torch.dtype | None = None,
+                 op: AloeOperator, batch_size: int = 32, precision: str = "float32",
                  desc: str = "gates and layer outputs", owners: Sequence[int] | None = None,
                  cache_prefix: bool = True):
         self.model, self.seqs, self.target_lens = model, [list(s) for s in seqs], list(target_lens)
@@ -77,7 +78,7 @@ class EditedForward:
         self.owners = list(owners) if owners is not None else list(range(len(seqs)))
         self.device = model_device(model)
         self.pid = pad_id(tokenizer)
-        self.autocast_dtype = autocast_dtype
+        self.precision = precision
         self.site = locate_down_proj(model, op.layer)
         path, self.layers = decoder_layers(model)
         parent_path, _, self.layers_attr = path.rpartition(".")
@@ -206,9 +207,7 @@ class EditedForward:
                 p.requires_grad_(True)
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return in_precision(self.model, self.precision)
 
     @contextlib.contextmanager
     def _upper_layers(self) -> Iterator[None]:

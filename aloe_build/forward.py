@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import warnings
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
@@ -51,12 +52,27 @@ def autocast_dtype(name: str) -> torch.dtype | None:
     return PASS_DTYPES[name]
 
 
+def cpu_has_fast_bfloat16() -> bool:
+    """Whether this CPU runs bfloat16 matrix products in hardware (AVX-512 or AMX), as oneDNN reports it."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - a torch without the query: assume it does
+        return True
+
+
 def in_precision(model: nn.Module, name: str) -> contextlib.AbstractContextManager:
-    """A context that runs the model's forward passes in precision ``name`` (autocast for bfloat16)."""
+    """A context that runs the model's forward passes in precision ``name`` (autocast for bfloat16).
+
+    Warns when bfloat16 is asked for on a CPU that only emulates it: there such passes are several
+    times slower than float32 (docs/results.md, "Each edit's negatives in bfloat16")."""
     dtype = autocast_dtype(name)
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(model_device(model).type, dtype=dtype)
+    device = model_device(model)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bfloat16():
+        warnings.warn("this CPU has no bfloat16 instructions: bfloat16 passes are emulated and several times "
+                      "slower than float32; set this precision to float32 here", RuntimeWarning, stacklevel=2)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def batches(order: list[int], size: int) -> Iterable[list[int]]:

@@ -27,14 +27,13 @@ from aloe_kernels.reference import gates_from_scores
 from .checkpoints import PartStore
 from .config import BuildConfig
 from .edited_forward import EditedForward
-from .forward import autocast_dtype
 
 
 def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
                    owners: Sequence[int], op: AloeOperator, cfg: BuildConfig) -> EditedForward:
     """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then).
     Sequence i < op.n is slot i's request; later ones are extra sequences of slot ``owners[i]``."""
-    return EditedForward(model, tokenizer, seqs, target_lens, op, cfg.batch_size, autocast_dtype(cfg.compute_dtype),
+    return EditedForward(model, tokenizer, seqs, target_lens, op, cfg.batch_size, cfg.compute_dtype,
                          desc="stages 6-8: gates and layer outputs", owners=owners)
 
 

@@ -53,3 +53,27 @@ def test_pass_precisions_are_checked():
     for name in ("compute_dtype", "negatives_dtype"):
         with pytest.raises(ValueError, match=name):
             BuildConfig(**{name: "float16"})
+
+
+def test_bfloat16_on_a_cpu_without_it_warns(monkeypatch):
+    """A CPU without bfloat16 instructions emulates it (several times slower than float32): asking
+    for bfloat16 passes there warns; float32 passes, or a CPU that has the instructions, do not."""
+    import warnings
+
+    import pytest
+
+    from aloe_build import forward
+
+    model = tiny_model("llama")
+    monkeypatch.setattr(forward, "cpu_has_fast_bfloat16", lambda: False)
+    with pytest.warns(RuntimeWarning, match="no bfloat16 instructions"):
+        ctx = forward.in_precision(model, "bfloat16")
+    with ctx:
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    monkeypatch.setattr(forward, "cpu_has_fast_bfloat16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forward.in_precision(model, "bfloat16")
+        monkeypatch.setattr(forward, "cpu_has_fast_bfloat16", lambda: False)
+        with forward.in_precision(model, "float32"):
+            assert not torch.is_autocast_enabled("cpu")
