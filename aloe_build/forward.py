@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
+from aloe_kernels.screened import fast_bf16_cpu
+
 from .tokens import left_pad
 
 #: What a long pass calls after each batch with the number of items it finished (an outer progress bar).
@@ -52,24 +54,17 @@ def autocast_dtype(name: str) -> torch.dtype | None:
     return PASS_DTYPES[name]
 
 
-def cpu_has_fast_bfloat16() -> bool:
-    """Whether this CPU runs bfloat16 matrix products in hardware (AVX-512 or AMX), as oneDNN reports it."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # pragma: no cover - a torch without the query: assume it does
-        return True
-
-
 def in_precision(model: nn.Module, name: str) -> contextlib.AbstractContextManager:
     """A context that runs the model's forward passes in precision ``name`` (autocast for bfloat16).
 
-    Warns when bfloat16 is asked for on a CPU that only emulates it: there such passes are several
+    Warns when bfloat16 is asked for on a CPU without AMX or AVX512-BF16, which only emulates it
+    (:func:`aloe_kernels.screened.fast_bf16_cpu`): there such passes are several
     times slower than float32 (docs/results.md, "Each edit's negatives in bfloat16")."""
     dtype = autocast_dtype(name)
     if dtype is None:
         return contextlib.nullcontext()
     device = model_device(model)
-    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bfloat16():
+    if device.type == "cpu" and dtype == torch.bfloat16 and not fast_bf16_cpu():
         warnings.warn("this CPU has no bfloat16 instructions: bfloat16 passes are emulated and several times "
                       "slower than float32; set this precision to float32 here", RuntimeWarning, stacklevel=2)
     return torch.autocast(device.type, dtype=dtype)

@@ -65,15 +65,15 @@ def test_bfloat16_on_a_cpu_without_it_warns(monkeypatch):
     from aloe_build import forward
 
     model = tiny_model("llama")
-    monkeypatch.setattr(forward, "cpu_has_fast_bfloat16", lambda: False)
+    monkeypatch.setattr(forward, "fast_bf16_cpu", lambda: False)
     with pytest.warns(RuntimeWarning, match="no bfloat16 instructions"):
         ctx = forward.in_precision(model, "bfloat16")
     with ctx:
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
-    monkeypatch.setattr(forward, "cpu_has_fast_bfloat16", lambda: True)
+    monkeypatch.setattr(forward, "fast_bf16_cpu", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         forward.in_precision(model, "bfloat16")
-        monkeypatch.setattr(forward, "cpu_has_fast_bfloat16", lambda: False)
+        monkeypatch.setattr(forward, "fast_bf16_cpu", lambda: False)
         with forward.in_precision(model, "float32"):
             assert not torch.is_autocast_enabled("cpu")
