@@ -1,6 +1,6 @@
 """The GPU suite of issue 16: one command for a lent GPU, no install needed there.
 
-    python3 -m benchmarks.gpu_suite [--part tests|graph|gate|decode|build|acceptance|all]
+    python3 -m benchmarks.gpu_suite [--part tests|graph|gate|decode|build|smollm2|acceptance|all]
                                     [--smoke] [--out DIR] [--acceptance-parts correct,graph,time]
     python3 -m benchmarks.gpu_suite --prepare     # on the dev machine, before a GPU call
     make gpu-check                                # = python3 -m benchmarks.gpu_suite --part all
@@ -18,6 +18,9 @@ Parts (one module each under ``benchmarks/gpu/``):
   cache, CUDA graph), batch 1 and 32, without and with 1,301/10,000/100,000 edits;
 - ``build``: ``aloe build --device cuda`` of 1,301 edits on a random model of
   SmolLM2's shape (inputs from ``scratch/``);
+- ``smollm2``: the real SmolLM2-135M-Instruct, whose GGUF travels in three parts
+  (``.gpu-model/part1..3``, one carried per call, stashed in ``/tmp`` until all
+  are there): ``aloe build`` and ``aloe eval`` of the 1,301 edits on the GPU;
 - ``acceptance``: ``scratch/acceptance.py`` (independent check), kept as
   ``acceptance.txt``.
 
@@ -29,15 +32,20 @@ lines of the run. ``--smoke`` runs every part on CPU with tiny shapes under
 TRITON_INTERPRET=1 (set before any kernel import) in well under a minute,
 skipping with a reason whatever needs CUDA; it writes to ``$TMPDIR/aloe_gpu_suite_smoke``.
 
-GPU procedure (30 minutes of device time, at most 10 per call; the machine is
+GPU procedure (device time is scarce, at most 10 minutes per call; the machine is
 released after 30 s idle, so make the calls back to back):
 
 1. here: ``python -m benchmarks.gpu_suite --prepare`` (fills the untracked
-   ``scratch/``: tokenizer, 1,301 edits, acceptance.py; ~4 MiB) and
-   ``python -m benchmarks.gpu_suite --smoke``;
+   ``scratch/``: tokenizer, 1,301 edits, acceptance.py; ~4 MiB; and the ignored
+   ``.gpu-model/part1..3``, ~32 MiB each) and ``python -m benchmarks.gpu_suite --smoke``;
+   for the real model, three calls back to back, each carrying one part
+   (``carry: [".gpu-model/part1"]`` ...), each running ``--part smollm2`` after any
+   other parts (on the H200 of the second run: build 201 s with the shared negatives
+   mined there, 164 s with them cached; evaluation 47 s);
 2. on the GPU, back to back (on the H100 of the first run: tests 145 s, graph 45 s,
    gate 30 s, decode 75 s, acceptance correct 190 s / graph 15 s / time 75 s; the build
-   of 1,301 edits more than 7 minutes with the encoder untrained):
+   of 1,301 edits more than 7 minutes with the encoder untrained; on the H200 of the
+   second: gate 56 s, decode 28 s, tests 86 s):
    ``python3 -m benchmarks.gpu_suite --part tests,graph,decode --out /tmp/r``;
    ``--part gate --out /tmp/r`` and ``--part acceptance --out /tmp/r``; ``--part build
    --out /tmp/r``, each command ending with ``tar czf $OUT/r.tgz -C /tmp r``: only
@@ -62,9 +70,9 @@ import time
 import traceback
 from pathlib import Path
 
-PARTS = ("tests", "graph", "gate", "decode", "build", "acceptance")
+PARTS = ("tests", "graph", "gate", "decode", "build", "smollm2", "acceptance")
 MODULES = {"tests": "tests_part", "graph": "graph", "gate": "gate", "decode": "decode", "build": "build",
-           "acceptance": "acceptance"}
+           "smollm2": "smollm2", "acceptance": "acceptance"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -60,9 +60,12 @@ def save_random_smollm2(out: Path, smoke: bool) -> Path:
     return out
 
 
-def run_cli(args: list[str], timeout: float) -> tuple[int, str, float]:
-    """``aloe <args>`` in a subprocess from the source tree: return code, output tail and seconds."""
+def run_cli(args: list[str], timeout: float, extra_env: dict[str, str] | None = None) -> tuple[int, str, float]:
+    """``aloe <args>`` in a subprocess from the source tree: return code, output tail and seconds.
+
+    ``extra_env`` overrides the environment (e.g. a PYTHONPATH that adds a package folder)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(extra_env or {})
     rc, text, seconds = run_process([sys.executable, "-c", CLI, *args], env, timeout)
     return rc, text[-6000:], seconds
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("tests", "graph", "gate", "decode", "build", "acceptance")
+PARTS = ("tests", "graph", "gate", "decode", "build", "smollm2", "acceptance")
 
 
 def test_gpu_suite_smoke(tmp_path):
