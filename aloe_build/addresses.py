@@ -112,6 +112,8 @@ class NegativeSet:
             rows[1:] = valid.sum(1).cumsum(0)
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+                # torch 2.11 also warns that checks are off, although check_invariants=False asks for that
+                warnings.filterwarnings("ignore", message=".*[Ss]parse invariant checks are implicitly disabled.*")
                 pattern = torch.sparse_csr_tensor(rows, idx[valid], torch.zeros(int(rows[-1]), dtype=self.shared.dtype,
                                                   device=home), size=(idx.shape[0], self.shared.shape[0]),
                                                   check_invariants=False)
