@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,6 +21,7 @@ from tqdm.auto import tqdm
 
 from .checkpoints import PartStore
 from .config import BuildConfig
+from .sparse_warnings import quiet_sparse
 
 
 @dataclass
@@ -110,10 +110,7 @@ class NegativeSet:
             valid = idx >= 0
             rows = torch.zeros(idx.shape[0] + 1, dtype=torch.long, device=home)
             rows[1:] = valid.sum(1).cumsum(0)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
-                # torch 2.11 also warns that checks are off, although check_invariants=False asks for that
-                warnings.filterwarnings("ignore", message=".*[Ss]parse invariant checks are implicitly disabled.*")
+            with quiet_sparse():
                 pattern = torch.sparse_csr_tensor(rows, idx[valid], torch.zeros(int(rows[-1]), dtype=self.shared.dtype,
                                                   device=home), size=(idx.shape[0], self.shared.shape[0]),
                                                   check_invariants=False)

@@ -36,6 +36,7 @@ from .encoder import AddressEncoder, cache_key
 from .forward import model_device
 from .mechanism import build_encoder
 from .models import cache_root, default_layer, model_name
+from .open_gates import open_gates
 from .rollouts import TokenSequences, rollouts, token_sequences
 from .slots import Slot, make_slots
 from .states import last_token_states, max_context
@@ -44,7 +45,6 @@ from .writes import (
     NegativeGateTally,
     edited_forward,
     finetune_writes,
-    gates_in_chunks,
     gates_of,
     produced_rows,
     ridge_writes,
@@ -413,7 +413,7 @@ def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives, ridge_report
     tally = NegativeGateTally()
     negative = {k: ridge_report[k] for k in tally.summary() if k in ridge_report}
     if negative.keys() != tally.summary().keys():
-        for g in gates_in_chunks(negatives, op):
+        for g in open_gates(negatives, op):
             tally.add(g)
         negative = tally.summary()
     return {

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -27,6 +27,7 @@ from aloe_kernels.reference import gates_from_scores
 from .checkpoints import PartStore
 from .config import BuildConfig
 from .edited_forward import EditedForward
+from .open_gates import OpenGates, add_gram_, open_gates
 
 
 def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
@@ -134,21 +135,6 @@ def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch
     return torch.cat(out) if out else torch.zeros(0, op.n)
 
 
-def gates_in_chunks(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, chunk: int = 16384
-                    ) -> Iterator[torch.Tensor]:
-    """Gates of many states, ``chunk`` rows at a time (float32), for a tensor or several read in
-    place: the dense gates of all negatives at once (N x n) could take gigabytes."""
-    for part in [parts] if isinstance(parts, torch.Tensor) else parts:
-        for _, G in _pieces(part, op, chunk):
-            yield G
-
-
-def _pieces(states: torch.Tensor, op: AloeOperator, chunk: int = 16384) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first row, gates) of ``states``, ``chunk`` rows at a time."""
-    for start in range(0, states.shape[0], chunk):
-        yield start, gates_of(states[start: start + chunk], op)
-
-
 @dataclass
 class NegativeGateTally:
     """Of the negative states gated so far: how many, how many open any gate, the largest gate."""
@@ -157,10 +143,10 @@ class NegativeGateTally:
     any_open: int = 0
     max_gate: float = 0.0
 
-    def add(self, G: torch.Tensor) -> None:
-        self.rows += G.shape[0]
-        self.any_open += int((G > 0).any(1).sum())
-        self.max_gate = max(self.max_gate, float(G.max()) if G.numel() else 0.0)
+    def add(self, gates: OpenGates) -> None:
+        self.rows += gates.n_rows
+        self.any_open += int(torch.unique_consecutive(gates.rows).numel())
+        self.max_gate = max(self.max_gate, float(gates.values.max()) if gates.values.numel() else 0.0)
 
     def summary(self) -> dict[str, float]:
         return {"negative_any_open_share": self.any_open / self.rows if self.rows else 0.0,
@@ -181,32 +167,27 @@ def ridge_writes(
     Column a of Y is what anchor a should receive: its own slot's gate times that slot's target.
     ``negatives`` may be several tensors (read in place, never concatenated). Gating every
     negative at every slot is the stage's cost, so ``tally``, if given, also counts their gates
-    (the build report's gate statistics need the same pass).
+    (the build report's gate statistics need the same pass). Only the open gates are kept
+    (:mod:`.open_gates`): the products cost what the open gates do, not N times n.
     """
     A = cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
     rhs = torch.zeros(op.n, deltas.shape[1], dtype=torch.float64)  # G+^T Y
-    # the anchors' gates (A, n) in pieces too: dense, they alone would take gigabytes at 10,000 edits
-    for lo, Gp in _pieces(anchors, op):
-        owner = anchor_owner[lo: lo + Gp.shape[0]]
-        Gp = Gp.double()
-        Y = Gp[torch.arange(len(owner)), owner][:, None] * deltas.double()[owner]  # (piece, d_out)
-        A += _gram(Gp)
-        rhs += torch.sparse.mm(Gp.to_sparse().t(), Y)
-    for Gn in gates_in_chunks(negatives, op):
+    targets = deltas.double()
+    lo = 0
+    for Gp in open_gates(anchors, op):
+        owner = anchor_owner[lo: lo + Gp.n_rows]
+        lo += Gp.n_rows
+        Y = Gp.at(owner).double()[:, None] * targets[owner]  # (piece, d_out)
+        add_gram_(A, Gp)
+        rhs += torch.sparse.mm(Gp.sparse(op.n).t(), Y)
+    for Gn in open_gates(negatives, op):
         if tally is not None:
             tally.add(Gn)
-        A += cfg.ridge_lambda * _gram(Gn.double())
+        add_gram_(A, Gn, cfg.ridge_lambda)
     writes = torch.linalg.solve(A, rhs)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")
     return writes.float()
-
-
-def _gram(G: torch.Tensor) -> torch.Tensor:
-    """G^T G (n, n) of a gate matrix (N, n) through its nonzero entries: gates are exactly 0 outside
-    their slots' addresses, so the cost grows with the open gates, not with N times n squared."""
-    G = G[(G != 0).any(1)]
-    return torch.sparse.mm(G.to_sparse().t(), G)
 
 
 def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+import aloe_build.writes as writes_module
 from aloe_build import addresses as addr
 from aloe_build.config import BuildConfig
 from aloe_build.encoder import CorpusStates, train_encoder
-from aloe_build.writes import gates_of, ridge_writes
+from aloe_build.writes import NegativeGateTally, gates_of, ridge_writes
 from aloe_kernels import AloeOperator
 
 
@@ -384,10 +385,8 @@ def test_recalibrate_shuts_what_a_slot_separates_and_keeps_its_own_fact_open():
 
 
 def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
-    """Stage 7 on gates that are mostly exactly 0 (the sparse Gram) against the dense float64
+    """Stage 7 on gates that are mostly exactly 0 (the open-gate triplets) against the dense float64
     formula of paper Eq. 6 written out here."""
-    from aloe_build.writes import gates_in_chunks
-
     V0, anchors, owner, neg, same = _synthetic(n=9, d=24, anchors_per=3, negs=300, seed=5)
     cfg = BuildConfig(ridge_lambda=0.7, ridge_mu=1e-3)
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=200, refine_hard_negatives=8))
@@ -398,16 +397,46 @@ def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
     deltas = torch.randn(9, 5, generator=torch.Generator().manual_seed(1))
     negatives = [neg.shared, neg.specific]
     Gp = gates_of(anchors, op).double()
-    Gn = torch.cat(list(gates_in_chunks(negatives, op))).double()
+    Gn = gates_of(torch.cat(negatives), op).double()
     assert 0 < int((Gn != 0).any(1).sum()) < Gn.shape[0]  # some negative rows open a gate, not all
     Y = Gp[torch.arange(len(owner)), owner][:, None] * deltas.double()[owner]
     want = torch.linalg.solve(Gp.T @ Gp + 0.7 * Gn.T @ Gn + 1e-3 * torch.eye(9, dtype=torch.float64), Gp.T @ Y)
-    got = ridge_writes(deltas, anchors, owner, negatives, op, cfg)
+    tally = NegativeGateTally()
+    got = ridge_writes(deltas, anchors, owner, negatives, op, cfg, tally)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert tally.rows == Gn.shape[0]
+    assert tally.any_open == int((Gn != 0).any(1).sum())
+    assert tally.max_gate == pytest.approx(float(Gn.max()))
     # anchors and negatives gated a few rows at a time (as at 10,000 edits): the same solve
-    import aloe_build.writes as writes
+    import aloe_build.open_gates as og
 
-    whole = writes._pieces
-    monkeypatch.setattr(writes, "_pieces", lambda states, op, chunk=0: whole(states, op, 4))
+    whole = og.open_gates
+    monkeypatch.setattr(writes_module, "open_gates", lambda parts, op, chunk=0: whole(parts, op, 4))
     torch.testing.assert_close(ridge_writes(deltas, anchors, owner, negatives, op, cfg).double(), want,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_open_gates_are_the_nonzeros_of_the_dense_gates():
+    """Every non-zero of the dense gate formula, and nothing else, with the same value; over several
+    tensors, in blocks that split them, with an empty block, and gates open at every slot."""
+    from aloe_build.open_gates import open_gates
+
+    g = torch.Generator().manual_seed(11)
+    n, d = 13, 37
+    V = _unit(torch.randn(n, d, generator=g))
+    states = _unit(torch.randn(301, d, generator=g))
+    states[:5] = V[:5]  # these open their own slots
+    for tau in (torch.rand(n, generator=g) * 0.4, torch.full((n,), -2.0)):  # some open / all open
+        op = AloeOperator(addresses=V, thresholds=tau, temperatures=torch.full((n,), 20.0), writes=torch.zeros(n, 3))
+        dense = gates_of(states, op)
+        assert 0 < int((dense > 0).sum())
+        got = torch.zeros_like(dense)
+        row0 = 0
+        for part in open_gates([states[:100], states[100:100], states[100:]], op, chunk=33):
+            got[row0 + part.rows, part.slots] = part.values
+            assert bool((part.values > 0).all())
+            row0 += part.n_rows
+        assert row0 == states.shape[0]
+        # the same entries open; values equal up to the float32 GEMM's blocking over 33 rows or all
+        assert torch.equal(got > 0, dense > 0)
+        torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-7)
