@@ -70,6 +70,7 @@ class StageCheckpoints:
 
     def __init__(self, root: Path | None, key: str, cfg: BuildConfig):
         self.root, self.base_key, self.cfg = root, key, cfg
+        self._opened: dict[str, list[PartStore]] = {}
         if root is not None:
             root.mkdir(parents=True, exist_ok=True)
 
@@ -106,7 +107,14 @@ class StageCheckpoints:
 
     def parts(self, stage: str) -> "PartStore":
         """Where ``stage`` keeps the pieces of its work as they finish (see :class:`PartStore`)."""
-        return PartStore(self.root / f"{stage}.parts" if self.root is not None else None, self.key(stage))
+        store = PartStore(self.root / f"{stage}.parts" if self.root is not None else None, self.key(stage))
+        self._opened.setdefault(stage, []).append(store)
+        return store
+
+    def read_back(self, stage: str) -> int:
+        """How many pieces of ``stage``'s work were read back rather than computed in this run: a
+        stage resumed inside took less time than a whole one."""
+        return sum(store.read_back for store in self._opened.get(stage, []))
 
     def drop_parts(self, stage: str) -> None:
         """Remove the pieces of a stage whose checkpoint now holds the whole result."""
@@ -121,6 +129,7 @@ class PartStore:
 
     def __init__(self, root: Path | None, key: str):
         self.root, self.key = root, key
+        self.read_back = 0  # pieces read back rather than computed
         if root is None:
             return
         stamp = root / "key.json"
@@ -138,6 +147,7 @@ class PartStore:
             return None
         from safetensors.torch import load_file
 
+        self.read_back += 1
         return load_file(str(self.root / f"{name}.safetensors"))
 
     def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:

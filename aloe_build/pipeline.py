@@ -200,6 +200,9 @@ class _Build:
         except FloatingPointError as exc:
             where = f"; checkpoints of earlier stages are kept in {self.ckpt.root}" if self.ckpt.root else ""
             raise BuildError(f"{exc}{where}") from exc
+        read_back = self.ckpt.read_back(name)
+        if read_back:  # its seconds cover the rest of the stage only
+            info = {**info, "parts_read_back": read_back}
         self.report.stage(name, clock, **info)
         self.ckpt.save(name, tensors, report=self.report.stages[name])
         self.ckpt.drop_parts(name)

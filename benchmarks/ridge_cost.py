@@ -42,6 +42,12 @@ def _rss_gib(field: str) -> float:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _read_through(t: torch.Tensor, rows: int = 65536) -> None:
+    """Read every page of a (memory-mapped) tensor, a block of rows at a time."""
+    for lo in range(0, t.shape[0], rows):
+        t[lo: lo + rows].sum()
+
+
 def _reset_peak() -> None:
     """Reset VmHWM to the current RSS (Linux: 5 > /proc/self/clear_refs)."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -53,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dense", action="store_true", help="also solve with dense gate matrices (slow at large n)")
     args = ap.parse_args(argv)
     ckpt = Path(args.build_dir) / "checkpoints"
-    # cloned: resident as in a build, so that the peak below is the solve's own
-    roll = {k: v.clone() for k, v in load_file(str(ckpt / "3_rollouts.safetensors")).items()}
+    roll = load_file(str(ckpt / "3_rollouts.safetensors"))
+    for v in roll.values():  # resident, as in a build, before the peak is reset
+        _read_through(v)
     cal = load_file(str(ckpt / "5_calibrate.safetensors"))
     Y = load_file(str(ckpt / "6_targets.safetensors"))["Y"]
     V = load_file(str(ckpt / "4_refine.safetensors"))["V"]

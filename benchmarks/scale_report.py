@@ -40,7 +40,8 @@ def collect(n: int, build_dir: Path, eval_dir: Path | None) -> dict[str, Any]:
         if not isinstance(info, dict) or "seconds" not in info:
             continue
         stages[name] = {"seconds": info["seconds"], "cpu_seconds": info.get("cpu_seconds"),
-                        "peak_rss_gib": info.get("peak_rss_gib"), "resumed": bool(info.get("resumed"))}
+                        "peak_rss_gib": info.get("peak_rss_gib"), "resumed": bool(info.get("resumed")),
+                        "parts_read_back": info.get("parts_read_back", 0)}
     row: dict[str, Any] = {"n": n, "build": str(build_dir), "stages": stages}
     if eval_dir is not None:
         ev = json.loads((eval_dir / "eval_report.json").read_text())
@@ -67,7 +68,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 continue
             cpu = st["cpu_seconds"]
             cell = f"{st['seconds'] / r['n']:.3f}" + (f" ({cpu / r['n']:.3f})" if cpu is not None else "")
-            cells.append(cell + (" resumed" if st["resumed"] else ""))
+            cells.append(cell + (" resumed" if st["resumed"] else "")
+                         + (f" resumed inside ({st['parts_read_back']} parts read back)" if st.get("parts_read_back") else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     total = [sum(st["seconds"] for st in r["stages"].values() if not st["resumed"]) for r in rows]
     lines.append("| total (stages run) | " + " | ".join(f"{t / r['n']:.3f} ({t / 60:.1f} min)" for t, r in zip(total, rows))

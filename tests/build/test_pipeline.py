@@ -126,6 +126,32 @@ def test_resume_after_interruption(tmp_path, monkeypatch):
     assert sum("resumed from checkpoint" in m for m in seen) == 6
 
 
+def test_a_stage_resumed_inside_says_so_in_the_report(tmp_path, monkeypatch):
+    """Stage 6 stopped after its first batch and resumed: the report counts the batch read back (its
+    seconds cover the rest only); a build run through counts none."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path, target_batch=1)
+    import aloe_build.writes as writes
+
+    whole, calls = writes._target_batch, []
+
+    def stop_at_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return whole(*a, **k)
+
+    monkeypatch.setattr(writes, "_target_batch", stop_at_second)
+    with pytest.raises(KeyboardInterrupt):
+        build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "run", log=None)
+    monkeypatch.undo()
+    build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "run", log=None)
+    build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "fresh", log=None)
+    stages = [json.loads((tmp_path / d / "build_report.json").read_text())["stages"] for d in ("run", "fresh")]
+    assert stages[0]["6_targets"]["parts_read_back"] == 1
+    assert all("parts_read_back" not in st for st in stages[1].values())
+
+
 def test_bad_input(tmp_path, monkeypatch):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     cfg = _tiny_cfg(tmp_path)
