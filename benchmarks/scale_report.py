@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 METRICS = ("efficacy", "generalization", "locality")
+# locality without the locality prompts that are requests of the stream itself (their answers are meant to change)
+OUTSIDE = "locality_outside_stream"
 
 
 def _run(spec: str) -> tuple[int, Path, Path | None]:
@@ -46,7 +48,7 @@ def collect(n: int, build_dir: Path, eval_dir: Path | None) -> dict[str, Any]:
     if eval_dir is not None:
         ev = json.loads((eval_dir / "eval_report.json").read_text())
         paper = ev["editors"][ev["primary"]]["summary"]["paper"]
-        row["quality"] = {m: paper.get(m) for m in METRICS}
+        row["quality"] = {m: paper.get(m) for m in (*METRICS, OUTSIDE)}
         row["eval_seconds"] = ev["meta"].get("timings", {}).get("total_s")
     return row
 
@@ -55,10 +57,12 @@ def _cell(x: float | None, digits: int = 3) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], notes: list[str] = ()) -> str:
+    """Cost and quality tables; ``notes`` (e.g. which machine ran which build) head the cost table."""
     names = list(dict.fromkeys(s for r in rows for s in r["stages"]))
     head = "| stage | " + " | ".join(f"n = {r['n']:,}: s/edit (CPU s/edit)" for r in rows) + " |"
-    lines = ["## Build cost per edit", "", head, "|---" * (len(rows) + 1) + "|"]
+    lines = ["## Build cost per edit", "", *(f"- {note}" for note in notes), *([""] if notes else []),
+             head, "|---" * (len(rows) + 1) + "|"]
     for name in names:
         cells = []
         for r in rows:
@@ -78,12 +82,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines.append("| peak RSS (GiB) | " + " | ".join(_cell(p, 2) for p in peak) + " |")
     if any("quality" in r for r in rows):
         lines += ["", "## Quality (paper protocol, one operator per n, scored after all its edits)", "",
-                  "| n | " + " | ".join(METRICS) + " | eval time |", "|---" * (len(METRICS) + 2) + "|"]
+                  "| n | " + " | ".join(METRICS) + " | locality outside the stream's requests | eval time |",
+                  "|---" * (len(METRICS) + 3) + "|"]
         for r in rows:
             if "quality" in r:
                 q = r["quality"]
                 secs = r.get("eval_seconds")
-                lines.append(f"| {r['n']:,} | " + " | ".join(_cell(q[m]) for m in METRICS)
+                lines.append(f"| {r['n']:,} | " + " | ".join(_cell(q.get(m)) for m in (*METRICS, OUTSIDE))
                              + f" | {_cell(secs / 60 if secs else None, 1)} min |")
     return "\n".join(lines) + "\n"
 
@@ -98,9 +103,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
+    ns = [r["n"] for r in rated]
     for m in METRICS:
-        ax.plot([r["n"] for r in rated], [r["quality"][m] for r in rated], marker="o", label=m)
+        ax.plot(ns, [r["quality"][m] for r in rated], marker="o", label=m)
+    outside = [(r["n"], r["quality"][OUTSIDE]) for r in rated if r["quality"].get(OUTSIDE) is not None]
+    if outside:  # reports older than the field lack it
+        ax.plot(*zip(*outside), marker="o", linestyle="--", label="locality outside\nthe stream's requests")
     ax.set_xscale("log")
+    ax.set_xticks(ns, [f"{n:,}" for n in ns])
+    ax.minorticks_off()
     ax.set_xlabel("edits in the operator (n)")
     ax.set_ylim(0, 1.02)
     ax.set_title("One operator per n, paper protocol")
@@ -115,14 +126,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=_run, action="append", required=True, help="N:BUILD_DIR[:EVAL_DIR]")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--note", action="append", default=[], help="a line above the cost table (repeatable)")
     args = ap.parse_args(argv)
     rows = sorted((collect(*r) for r in args.run), key=lambda r: r["n"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "scale.md").write_text(markdown(rows))
+    text = markdown(rows, args.note)
+    (out / "scale.md").write_text(text)
     plot(rows, out / "scale.png")
-    print(markdown(rows))
+    print(text)
     return rows
 
 
