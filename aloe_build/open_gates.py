@@ -22,6 +22,9 @@ from .sparse_warnings import quiet_sparse
 # Entries this far below the open floor are gated too, so that rounding between the floor and the
 # gate formula can never drop a gate that the formula opens; the formula's own zeros are dropped after.
 _FLOOR_SLACK = 1e-3
+# float32 scores per block: 4,292 states at 7,819 slots; the stage's memory beyond its states is
+# then mostly the n x n system and its factorisation
+_BLOCK_BYTES = 128 * 2**20
 
 
 @dataclass
@@ -49,11 +52,12 @@ class OpenGates:
         return out
 
 
-def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, chunk: int = 16384
+def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, chunk: int | None = None
                ) -> Iterator[OpenGates]:
     """The open gates of normalized states (one tensor, or several read in place), ``chunk`` rows at
-    a time. Each value equals the dense formula's (:func:`aloe_kernels.reference.gates_from_scores`
-    on the same float32 scores)."""
+    a time (default: blocks of about :data:`_BLOCK_BYTES` of scores). Each value equals the dense
+    formula's (:func:`aloe_kernels.reference.gates_from_scores` on the same float32 scores)."""
+    chunk = chunk or max(1024, _BLOCK_BYTES // (4 * max(op.n, 1)))
     V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
     floor = open_score_floor(tau, alpha, op.gate_eps) - _FLOOR_SLACK
     for part in [parts] if isinstance(parts, torch.Tensor) else parts:

@@ -411,7 +411,7 @@ def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
     import aloe_build.open_gates as og
 
     whole = og.open_gates
-    monkeypatch.setattr(writes_module, "open_gates", lambda parts, op, chunk=0: whole(parts, op, 4))
+    monkeypatch.setattr(writes_module, "open_gates", lambda parts, op, chunk=None: whole(parts, op, 4))
     torch.testing.assert_close(ridge_writes(deltas, anchors, owner, negatives, op, cfg).double(), want,
                                rtol=1e-5, atol=1e-6)
 
