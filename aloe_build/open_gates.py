@@ -70,11 +70,11 @@ def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, c
             yield OpenGates(block.shape[0], rows[keep], slots[keep], values[keep])
 
 
-def add_gram_(A: torch.Tensor, gates: OpenGates, weight: float = 1.0) -> None:
-    """``A += weight * G^T G`` (A: dense (n, n) float64) through the open gates only."""
-    if gates.values.numel() == 0:
+def add_gram_(A: torch.Tensor, S: torch.Tensor, weight: float = 1.0) -> None:
+    """``A += weight * S^T S`` (A: dense (n, n) float64) for a block's gates ``S`` as given by
+    :meth:`OpenGates.sparse`: through the open gates only."""
+    if S._nnz() == 0:
         return
-    S = gates.sparse(A.shape[0])
     with quiet_sparse():
         gram = torch.sparse.mm(S.t(), S).coalesce()
     i, j = gram.indices()

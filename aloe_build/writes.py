@@ -178,12 +178,13 @@ def ridge_writes(
         owner = anchor_owner[lo: lo + Gp.n_rows]
         lo += Gp.n_rows
         Y = Gp.at(owner).double()[:, None] * targets[owner]  # (piece, d_out)
-        add_gram_(A, Gp)
-        rhs += torch.sparse.mm(Gp.sparse(op.n).t(), Y)
+        S = Gp.sparse(op.n)
+        add_gram_(A, S)
+        rhs += torch.sparse.mm(S.t(), Y)
     for Gn in open_gates(negatives, op):
         if tally is not None:
             tally.add(Gn)
-        add_gram_(A, Gn, cfg.ridge_lambda)
+        add_gram_(A, Gn.sparse(op.n), cfg.ridge_lambda)
     writes = torch.linalg.solve(A, rhs)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 METRICS = ("efficacy", "generalization", "locality")
 # locality without the locality prompts that are requests of the stream itself (their answers are meant to change)
@@ -57,7 +57,7 @@ def _cell(x: float | None, digits: int = 3) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def markdown(rows: list[dict[str, Any]], notes: list[str] = ()) -> str:
+def markdown(rows: list[dict[str, Any]], notes: Sequence[str] = ()) -> str:
     """Cost and quality tables; ``notes`` (e.g. which machine ran which build) head the cost table."""
     names = list(dict.fromkeys(s for r in rows for s in r["stages"]))
     head = "| stage | " + " | ".join(f"n = {r['n']:,}: s/edit (CPU s/edit)" for r in rows) + " |"
