@@ -34,7 +34,7 @@ FLOATS = ("eps", "gate_eps", "inv_one_minus_geps")
 # register counts are those of a kernel that never runs.
 UNIT_STRIDES = ("stride_hd", "stride_ad", "stride_wo", "stride_oo", "stride_thr", "stride_temp", "stride_on",
                 "stride_yo")
-DIV16 = ("d", "d_out", "edits_per_split", "d_per_split", "stride_ht", "stride_an", "stride_wn", "stride_ot",
+DIV16 = ("d", "d_out", "edits_per_split", "d_per_split", "o_per_split", "stride_ht", "stride_an", "stride_wn", "stride_ot",
          "stride_ws", "stride_wt", "stride_yt")
 # (mode, y dtype, input dtype, FROM_SCORES, SCALED_NORM, name) of the gate variants compiled. 16-bit
 # inputs get the autotuning space and the fixed tiles; fp32 inputs only ever launch the fixed fp32

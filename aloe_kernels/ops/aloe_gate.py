@@ -57,7 +57,8 @@ __all__ = ["aloe_gate_residual_"]
 def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | None,
               thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
               eps: float, gate_eps: float, deterministic: bool, *, from_scores: bool,
-              col_offset: int, norm_col: int, d: int, split: int, blocks_given: tuple, k_split: int = 0) -> None:
+              col_offset: int, norm_col: int, d: int, split: int, blocks_given: tuple, k_split: int = 0,
+              o_split: int = 0) -> None:
     """Shared launcher for the fused kernel (from h) and phase B (from scores).
 
     From h with a d split in the plan (split-K), phase A scores the d slices
@@ -70,7 +71,7 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
     interpret = triton_interpreting()
     k = jit_kernels(interpret)
     plan = plan_launch(T, n, d_out, y2.dtype, deterministic, sm_count(y2.device), split,
-                       0 if from_scores else d, k_split)
+                       0 if from_scores else d, k_split, o_split)
     explicit = any(b > 0 for b in blocks_given)
     a = addresses if addresses is not None else src
     # a scores buffer (fp32) is only added up, never multiplied: it does not widen the tiles
@@ -88,7 +89,7 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
         out, flags = _gate_target(y2, plan)
         args = (
             src, a, thresholds, temperatures, writes, out, flags,
-            T, n, d, d_out, plan.edits_per_split, col_offset, norm_col, plan.k_split,
+            T, n, d, d_out, plan.edits_per_split, col_offset, norm_col, plan.k_split, plan.o_per_split,
             *src_strides, a.stride(0), a.stride(1) if a.dim() > 1 else 1,
             thresholds.stride(0), temperatures.stride(0), writes.stride(0), writes.stride(1),
             out.stride(0) if plan.mode == MODE_PARTIAL else 0, out.stride(-2), out.stride(-1),
@@ -99,10 +100,10 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
                   "CAST_SCORES": cast_scores, "CAST_WRITES": interpret or writes.dtype == torch.float32,
                   "DOT_PREC": "ieee"}
         if tuned:
-            grid = lambda META: (triton.cdiv(T, META["BLOCK_T"]), plan.split)  # noqa: E731
+            grid = lambda META: (triton.cdiv(T, META["BLOCK_T"]), plan.split, plan.o_split)  # noqa: E731
             k["gate_tuned_ws" if plan.mode == MODE_PARTIAL else "gate_tuned"][grid](*args, **consts)
         else:
-            grid = (triton.cdiv(T, blocks["block_t"]), plan.split)
+            grid = (triton.cdiv(T, blocks["block_t"]), plan.split, plan.o_split)
             k["gate"][grid](*args, **consts, **block_meta(blocks), **launch_params(blocks, T, interpret))
         if plan.mode == MODE_PARTIAL:
             _run_reduce(k["reduce"], out, flags, y2, plan.split, blocks["block_o"] if explicit else 0, interpret)
@@ -195,7 +196,7 @@ def _gate_residual_op(
     y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
     temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float,
     deterministic: bool = False, split: int = 0, block_t: int = 0, block_n: int = 0,
-    block_d: int = 0, block_o: int = 0, k_split: int = 0,
+    block_d: int = 0, block_o: int = 0, k_split: int = 0, o_split: int = 0,
 ) -> None:
     d = addresses.shape[1]
     d_out = writes.shape[1]
@@ -203,13 +204,13 @@ def _gate_residual_op(
     h2 = _flat_rows(h, d)
     _run_gate(y2, h2, addresses, thresholds, temperatures, writes, eps, gate_eps, deterministic,
               from_scores=False, col_offset=0, norm_col=0, d=d, split=split,
-              blocks_given=(block_t, block_n, block_d, block_o), k_split=k_split)
+              blocks_given=(block_t, block_n, block_d, block_o), k_split=k_split, o_split=o_split)
 
 
 @_gate_residual_op.register_fake
 def _gate_residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_eps,
                         deterministic=False, split=0, block_t=0, block_n=0, block_d=0, block_o=0,
-                        k_split=0) -> None:
+                        k_split=0, o_split=0) -> None:
     return None
 
 
@@ -222,7 +223,7 @@ def aloe_gate_residual_(
     y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
     temperatures: torch.Tensor, writes: torch.Tensor, eps: float = 1e-6, gate_eps: float = 1e-3,
     deterministic: bool = False, *, split: int = 0, block_t: int = 0, block_n: int = 0,
-    block_d: int = 0, block_o: int = 0, k_split: int = 0,
+    block_d: int = 0, block_o: int = 0, k_split: int = 0, o_split: int = 0,
 ) -> torch.Tensor:
     """Add ``U g(h)`` into ``y`` in place with the fused kernel; returns ``y``.
 
@@ -231,8 +232,10 @@ def aloe_gate_residual_(
     (n, d_out). h, addresses, writes, y: float32/bfloat16/float16.
     ``deterministic=True`` gives identical bits run to run (no atomics, fixed
     configuration). ``split`` (edit ranges), ``k_split`` (d slices: phase A
-    scores them, then the gate reads the summed scores) and ``block_*``
-    override the launch plan (0 = auto; explicit blocks disable autotuning).
+    scores them, then the gate reads the summed scores), ``o_split`` (d_out
+    slices written by separate programs, only where the gate reads scores)
+    and ``block_*`` override the launch plan (0 = auto; explicit blocks
+    disable autotuning).
     """
     check_tensor("y", y)
     check_tensor("h", h)
@@ -254,5 +257,5 @@ def aloe_gate_residual_(
         return y
     torch.ops.aloe.gate_residual_(y, h, addresses, thresholds, temperatures, writes, float(eps), float(gate_eps),
                                   bool(deterministic), int(split), int(block_t), int(block_n), int(block_d),
-                                  int(block_o), int(k_split))
+                                  int(block_o), int(k_split), int(o_split))
     return y

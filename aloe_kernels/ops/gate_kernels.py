@@ -9,8 +9,8 @@ For each token row ``h`` (length d) and n edits::
 
 Grid and work split
 -------------------
-The main kernel ``_gate_kernel`` runs on a 2-D grid ``(token tiles, edit
-splits)``. Program ``(i, s)`` owns the ``BLOCK_T`` tokens of tile ``i`` and the
+The main kernel ``_gate_kernel`` runs on a grid ``(token tiles, edit
+splits, d_out slices)``. Program ``(i, s)`` owns the ``BLOCK_T`` tokens of tile ``i`` and the
 contiguous edit range ``[s*E, min((s+1)*E, n))`` (``E`` a multiple of 16, chosen
 on the host from the shapes and the SM count only). It
 
@@ -39,6 +39,14 @@ fp32 buffer ``(k_split, T, n + 2)``; the gate kernel then runs with
 ``FROM_SCORES=True, SCALED_NORM=True`` and sums the slices in slice order (the
 gate is nonlinear in the full score, so it needs the whole dot product). One
 more launch, no atomics, deterministic.
+
+Write slices: a gate that reads scores (split-K, or phase B of the tensor-parallel
+split) has little to do besides the writes, and at decode one program owns the
+one open edit and would walk all of d_out alone (on an H100 at T = 1, n = 1,301:
+18.6 us of a 63 us call). So its grid has a third axis of d_out slices
+(``o_per_split`` columns each): every program of an edit range computes the
+same gates from the small buffer and writes only its slice. Reading h, the gate
+kernel keeps one slice (the scores would be recomputed per slice).
 
 Targets ("modes", a constexpr), chosen on the host from dtypes/shapes only:
 
@@ -198,14 +206,14 @@ def _gate_values(raw, inv_norm, thr_ptr, temp_ptr, offs_n, n_mask, valid, stride
 
 
 def _gate_add_writes(
-    g, w_ptr, out_ptr, offs_n64, offs_t64, t_mask, row_open, col_open, wrote, pid_s, d_out,
+    g, w_ptr, out_ptr, offs_n64, offs_t64, t_mask, row_open, col_open, wrote, pid_s, o_lo, o_hi,
     stride_wn, stride_wo, stride_os, stride_ot, stride_oo,
     MODE: tl.constexpr, CAST_WRITES: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
-    """Add ``g @ U_chunk`` to the program's target (see the modes in the module docstring)."""
-    for o0 in range(0, d_out, BLOCK_O):
+    """Add ``g @ U_chunk[:, o_lo:o_hi]`` to the program's target (see the modes in the module docstring)."""
+    for o0 in range(o_lo, o_hi, BLOCK_O):
         offs_o = o0 + tl.arange(0, BLOCK_O)
-        o_mask = offs_o < d_out
+        o_mask = offs_o < o_hi
         # Only the write rows of edits open for some token of the tile are read.
         u = tl.load(w_ptr + offs_n64[:, None] * stride_wn + offs_o[None, :] * stride_wo,
                     mask=col_open[:, None] & o_mask[None, :], other=0.0)
@@ -234,7 +242,7 @@ def _gate_add_writes(
 
 def _gate_kernel(
     h_ptr, a_ptr, thr_ptr, temp_ptr, w_ptr, out_ptr, flag_ptr,
-    T, n, d, d_out, edits_per_split, col_offset, norm_col, n_kslices,
+    T, n, d, d_out, edits_per_split, col_offset, norm_col, n_kslices, o_per_split,
     stride_hk, stride_ht, stride_hd, stride_an, stride_ad, stride_thr, stride_temp, stride_wn, stride_wo,
     stride_os, stride_ot, stride_oo, stride_fs,
     eps, gate_eps, inv_one_minus_geps, t_bucket, n_bucket,
@@ -244,6 +252,9 @@ def _gate_kernel(
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
+    # The d_out slice this program writes (the whole of d_out unless the gate reads scores).
+    o_lo = tl.program_id(2) * o_per_split
+    o_hi = tl.minimum(o_lo + o_per_split, d_out)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     offs_t64 = offs_t.to(tl.int64)
@@ -281,7 +292,7 @@ def _gate_kernel(
             # interpreter rejects a scalar folded into a block mask).
             wrote = tl.zeros((BLOCK_T,), dtype=tl.int32) + tl.max(any_open, axis=0)
             _gate_add_writes(g, w_ptr, out_ptr, offs_n64, offs_t64, t_mask, row_open, col_open, wrote, pid_s,
-                             d_out, stride_wn, stride_wo, stride_os, stride_ot, stride_oo,
+                             o_lo, o_hi, stride_wn, stride_wo, stride_os, stride_ot, stride_oo,
                              MODE, CAST_WRITES, DOT_PREC, BLOCK_O)
             any_open = tl.maximum(any_open, row_open.to(tl.int32))
         # The next chunk's raw scores; after the last chunk the d range is empty (nothing is read).

@@ -5,11 +5,13 @@ Everything here is decided from shapes, dtypes and the SM count only (no
 
 Split-K
 -------
-When the narrowest phase-A grid (16-edit blocks x token tiles) has fewer
-programs than SMs (decode with ~1,000 edits: 82 blocks for 132 SMs), d is
-split into up to 8 slices of multiples of 256 columns, for about ``2 * n_sms``
-programs streaming addresses; the gate then reads the summed slice scores
-(see :mod:`aloe_kernels.ops.gate_kernels`). ``k_split`` overrides it.
+When the narrowest phase-A grid (16-edit blocks x token tiles of 64) has
+fewer programs than SMs (decode with ~1,000 edits, batch 1 to 64: 82 blocks
+for 132 SMs), d is split into up to 8 slices of multiples of 256 columns, for
+about ``2 * n_sms`` programs streaming addresses; the gate then reads the
+summed slice scores (see :mod:`aloe_kernels.ops.gate_kernels`). ``k_split``
+overrides it. A gate reading scores also splits d_out into slices of multiples
+of 256 columns, for about ``4 * n_sms`` programs writing (``o_split``).
 
 Autotuning
 ----------
@@ -79,6 +81,8 @@ MAX_GRID_Y = 65535
 _EDIT_GRAIN = 16  # edit ranges per split are multiples of this
 _D_GRAIN = 256  # d slices of the split-K path are multiples of this (the widest BLOCK_D)
 _MAX_K_SPLIT = 8  # more d slices only add scores traffic and phase-B work
+_O_GRAIN = 256  # d_out slices of a gate reading scores are multiples of this (a whole number of BLOCK_O)
+_WRITE_PROGRAMS_PER_SM = 4  # programs a gate reading scores aims for, per SM
 _SCORES_TILE_MAX = 64 * 64  # largest (BLOCK_T x BLOCK_N) gate tile reading a scores buffer
 
 
@@ -92,6 +96,8 @@ class GatePlan:
     launches: int
     k_split: int = 1
     d_per_split: int = 0
+    o_split: int = 1
+    o_per_split: int = 0
 
     @property
     def mode_name(self) -> str:
@@ -141,11 +147,12 @@ def reduce_blocks(T: int, n_split: int, d_out: int, block_o: int = 0) -> dict:
 
 
 def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic: bool,
-                n_sms: int, split: int = 0, d: int = 0, k_split: int = 0) -> GatePlan:
-    """Pick mode, edit split and d split from shapes, dtypes and the SM count only (graph safe).
+                n_sms: int, split: int = 0, d: int = 0, k_split: int = 0, o_split: int = 0) -> GatePlan:
+    """Pick mode, edit split, d split and d_out slices from shapes, dtypes and the SM count only (graph safe).
 
-    ``d`` is the address width (0: no d split, as for phase B of the
-    tensor-parallel split). ``split`` / ``k_split`` > 0 override the choices.
+    ``d`` is the address width (0: the gate reads scores, as phase B of the
+    tensor-parallel split does). ``split`` / ``k_split`` / ``o_split`` > 0
+    override the choices; d_out slices are only taken by a gate reading scores.
     """
     if split <= 0:
         token_tiles = -(-T // 64)
@@ -170,9 +177,33 @@ def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic:
     per = -(-per // grain) * grain
     split = -(-n // per)
     k_split, d_per = _plan_k_split(T, n, d, n_sms, k_split)
+    from_scores = d <= 0 or k_split > 1
+    o_split, o_per = _plan_o_split(T, split, d_out, n_sms, o_split if from_scores else 1)
     launches = (2 if mode == MODE_PARTIAL else 1) + (1 if k_split > 1 else 0)
     return GatePlan(mode=mode, split=split, edits_per_split=per, launches=launches, k_split=k_split,
-                    d_per_split=d_per)
+                    d_per_split=d_per, o_split=o_split, o_per_split=o_per)
+
+
+def _even_slices(width: int, parts: int, grain: int) -> tuple:
+    """(count, width) of at most ``parts`` slices of ``width`` columns, multiples of ``grain`` where they fit."""
+    parts = max(1, min(parts, width))
+    grain = grain if width >= grain * parts else 1
+    per = -(-width // parts)
+    per = -(-per // grain) * grain
+    return -(-width // per), per
+
+
+def _plan_o_split(T: int, split: int, d_out: int, n_sms: int, o_split: int) -> tuple:
+    """(number of d_out slices, width of each) written by separate programs of a gate reading scores.
+
+    Enough slices for about ``_WRITE_PROGRAMS_PER_SM * n_sms`` programs (token
+    tiles of 16 x edit ranges x slices), never below ``_O_GRAIN`` columns: a
+    prefill grid is already that large and keeps one slice.
+    """
+    if o_split <= 0:
+        programs = split * -(-T // 16)
+        o_split = max(1, min(-(-_WRITE_PROGRAMS_PER_SM * n_sms // programs), d_out // _O_GRAIN))
+    return _even_slices(d_out, o_split, _O_GRAIN)
 
 
 def _plan_k_split(T: int, n: int, d: int, n_sms: int, k_split: int) -> tuple:
@@ -187,17 +218,14 @@ def _plan_k_split(T: int, n: int, d: int, n_sms: int, k_split: int) -> tuple:
     if d <= 0:
         return 1, 0
     if k_split <= 0:
-        programs = -(-n // _EDIT_GRAIN) * -(-T // 16)
+        # Token tiles of 64: one decode tile may cover a whole batch of 32, so counting tiles
+        # of 16 there would skip the split that a batch of 1 gets.
+        programs = -(-n // _EDIT_GRAIN) * -(-T // 64)
         k_split = 1
         if programs < n_sms:
             k_split = min(_MAX_K_SPLIT, -(-2 * n_sms // programs), d // _D_GRAIN)
-    k_split = max(1, min(k_split, d))
-    if k_split == 1:
-        return 1, d
-    grain = _D_GRAIN if d >= _D_GRAIN * k_split else 1
-    per = -(-d // k_split)
-    per = -(-per // grain) * grain
-    return -(-d // per), per
+    k_split, per = _even_slices(d, k_split, _D_GRAIN)
+    return (1, d) if k_split == 1 else (k_split, per)
 
 
 # Fixed (untuned) tiles per token tile height: (BLOCK_T, BLOCK_N, BLOCK_D, BLOCK_O). Chosen so that

@@ -126,6 +126,69 @@ def test_split_k_phase_a_grid_cap(monkeypatch):
     assert rel_err(y, ref) <= FP32_TOL
 
 
+# ------------------------------------------------------ d_out slices
+# D_OUT = 24 with block_o = 16: slices narrower than one tile (5 of 5 columns and one of 4), one tile
+# and a ragged one (2 of 12), one column each (more slices asked than columns).
+@pytest.mark.parametrize("T,n,k_split,o_split,split,ydtype,det", [
+    (1, 1, 2, 5, 0, torch.bfloat16, False),   # partial mode, one edit, one token
+    (1, 50, 3, 2, 4, torch.float32, False),   # atomic
+    (7, 50, 2, 5, 1, torch.float32, True),    # direct (one edit range)
+    (7, 50, 3, 30, 3, torch.float32, True),   # partial, deterministic fp32
+    (20, 37, 2, 3, 3, torch.float16, False),  # two token tiles
+])
+def test_write_slices_match_float64(T, n, k_split, o_split, split, ydtype, det):
+    h, op = make_case(T, D, D_OUT, n, "mixed", seed=T * 7 + n + o_split)
+    if ydtype != torch.float32:
+        h, op = h.to(ydtype), cast_op(op, ydtype)
+    ref, g = ref_delta(h, op)
+    if T * n > 1:
+        assert (g > 0).any() and (g == 0).any()
+    base = 0.25 if ydtype == torch.float32 else 0.0  # the kernel adds into y; 16-bit y has no room for a base
+    y = torch.full((T, D_OUT), base).to(ydtype)
+    run(y, h, op, deterministic=det, split=split, k_split=k_split, o_split=o_split)
+    tol = FP32_TOL if ydtype == torch.float32 else HALF_TOL
+    assert rel_err(y.double() - base, ref) <= tol
+
+
+def test_write_slices_all_open_all_closed_and_bits():
+    h, op = make_case(7, D, D_OUT, 40, "open", seed=8)
+    ref, g = ref_delta(h, op)
+    assert bool((g > 0.99).all())
+    y = torch.zeros(7, D_OUT)
+    run(y, h, op, split=3, k_split=2, o_split=3)
+    assert rel_err(y, ref) <= FP32_TOL
+    h, op = make_case(7, D, D_OUT, 40, "closed", seed=8)
+    assert bool((ref_delta(h, op)[1] == 0).all())
+    y = torch.randn(7, D_OUT).to(torch.bfloat16)
+    before = y.clone()
+    run(y, h.to(torch.bfloat16), cast_op(op, torch.bfloat16), split=3, k_split=2, o_split=4)
+    assert torch.equal(y.view(torch.int16), before.view(torch.int16))
+    # deterministic: slicing d_out does not change a bit of the result
+    h, op = make_case(7, D, D_OUT, 90, "mixed", seed=9)
+    h, op = h.to(torch.bfloat16), cast_op(op, torch.bfloat16)
+    outs = []
+    for o_split in (1, 3):
+        y = torch.zeros(7, D_OUT, dtype=torch.bfloat16)
+        run(y, h, op, deterministic=True, split=5, k_split=3, o_split=o_split)
+        outs.append(y)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+def test_write_slices_chosen_for_tensor_parallel_phase_b(monkeypatch):
+    """Phase B of the tensor-parallel split (a gate reading scores) takes the automatic d_out slices."""
+    monkeypatch.setattr(plan, "_O_GRAIN", 8)
+    monkeypatch.setattr(plan, "_WRITE_PROGRAMS_PER_SM", 6)
+    assert plan.plan_launch(7, 20, D_OUT, torch.float32, True, 1, split=2).o_split == 3
+    h, op = make_case(7, 48, D_OUT, 20, "mixed", seed=21)
+    scores = tp.aloe_gate_partial_scores(h, op.addresses)
+    ref, _ = ref_delta(h, op)
+    for det in (True, False):
+        y = torch.zeros(7, D_OUT)
+        tp.aloe_gate_apply_(y, scores, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps,
+                            deterministic=det, split=2, block_t=16, block_n=16, block_o=16)
+        assert rel_err(y, ref) <= FP32_TOL
+
+
 # --------------------------------------------------- tiled reduction
 @pytest.mark.parametrize("T,n,split,ydtype", [
     (1, 200, 40, torch.bfloat16),   # 40 splits: two reduction steps of 32 (the second ragged)
@@ -192,3 +255,19 @@ def test_plan_k_split():
     p = P(1, 5, 24, torch.float32, False, 1, d=80, k_split=3)
     assert (p.k_split, p.d_per_split) == (3, 27)
     assert [plan.n_bucket(n) for n in (1, 16, 17, 1301, 10000)] == [16, 16, 32, 2048, 16384]
+    # a decode batch of 32 on 1,301 edits is split like a batch of 1 (one token tile of 64)
+    assert P(32, 1301, 4096, torch.bfloat16, False, 132, d=4096).k_split > 1
+
+
+def test_plan_o_split():
+    P = plan.plan_launch
+    p = P(1, 1301, 4096, torch.bfloat16, False, 132, d=14336)  # split-K: the gate reads scores
+    assert p.k_split > 1 and p.o_split > 1 and p.o_per_split % 256 == 0
+    assert p.o_per_split * p.o_split >= 4096 > p.o_per_split * (p.o_split - 1)
+    assert p.split * p.o_split >= 2 * 132
+    assert P(1, 10000, 4096, torch.bfloat16, False, 132, d=14336).o_split == 1  # reads h: one slice
+    assert P(2048, 1301, 4096, torch.bfloat16, False, 132).o_split == 1  # phase B of a prefill: enough programs
+    assert P(1, 10000, 4096, torch.bfloat16, False, 132).o_split > 1  # phase B of decode
+    p = P(1, 50, 24, torch.float32, False, 1, d=80, k_split=2, o_split=5)
+    assert (p.o_split, p.o_per_split) == (5, 5)
+    assert P(1, 50, 24, torch.float32, False, 1, d=80, o_split=5).o_split == 1  # d not split: o_split ignored
