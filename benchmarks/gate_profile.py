@@ -112,7 +112,7 @@ def main() -> None:
                 print(f"      {v:8.1f} us  {k}", flush=True)
         del w
         torch.cuda.empty_cache()
-    tuned = _autotuned()
+    tuned = autotuned_configs()
     print("\nautotuned configurations (key: t_bucket, n_bucket, d, d_out, ...):")
     for line in tuned:
         print("  " + line)
@@ -122,7 +122,7 @@ def main() -> None:
                    "rows": rows, "autotuned": tuned}, f, indent=1)
 
 
-def _autotuned() -> list[str]:
+def autotuned_configs() -> list[str]:
     """One line per autotuning key seen in this run: the kernel, the key and the chosen configuration."""
     kernels = jit_kernels(False)
     lines = []

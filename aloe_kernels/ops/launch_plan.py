@@ -6,12 +6,13 @@ Everything here is decided from shapes, dtypes and the SM count only (no
 Split-K
 -------
 When the narrowest phase-A grid (16-edit blocks x token tiles of 64) has
-fewer programs than SMs (decode with ~1,000 edits, batch 1 to 64: 82 blocks
-for 132 SMs), d is split into up to 8 slices of multiples of 256 columns, for
-about ``2 * n_sms`` programs streaming addresses; the gate then reads the
-summed slice scores (see :mod:`aloe_kernels.ops.gate_kernels`). ``k_split``
-overrides it. A gate reading scores also splits d_out into slices of multiples
-of 256 columns, for about ``4 * n_sms`` programs writing (``o_split``).
+fewer than twice as many programs as SMs (decode with up to ~4,000 edits,
+batch 1 to 64: 82 blocks at 1,301 edits for 132 SMs), d is split into 4 to 8
+slices of multiples of 256 columns, for at least ``2 * n_sms`` programs
+streaming addresses; the gate then reads the summed slice scores (see
+:mod:`aloe_kernels.ops.gate_kernels`). ``k_split`` overrides it. A gate
+reading scores also splits d_out into slices of multiples of 256 columns,
+for about ``4 * n_sms`` programs writing (``o_split``).
 
 Autotuning
 ----------
@@ -81,6 +82,7 @@ MAX_GRID_Y = 65535
 _EDIT_GRAIN = 16  # edit ranges per split are multiples of this
 _D_GRAIN = 256  # d slices of the split-K path are multiples of this (the widest BLOCK_D)
 _MAX_K_SPLIT = 8  # more d slices only add scores traffic and phase-B work
+_MIN_K_SPLIT = 4  # fewer did not pay on an H100 (the split-K docstring of _plan_k_split)
 _O_GRAIN = 256  # d_out slices of a gate reading scores are multiples of this (a whole number of BLOCK_O)
 _WRITE_PROGRAMS_PER_SM = 4  # programs a gate reading scores aims for, per SM
 _SCORES_TILE_MAX = 64 * 64  # largest (BLOCK_T x BLOCK_N) gate tile reading a scores buffer
@@ -210,10 +212,14 @@ def _plan_k_split(T: int, n: int, d: int, n_sms: int, k_split: int) -> tuple:
     """(number of d slices, width of each) of the split-K path.
 
     Chosen when the narrowest phase-A grid (``_EDIT_GRAIN``-edit blocks times
-    token tiles) would leave SMs idle: few tokens and few edits (decode with
-    ~1,000 edits). The d split then multiplies the programs streaming
-    addresses, up to about ``2 * n_sms``, never below ``_D_GRAIN`` columns a
-    slice. Slices are multiples of ``_D_GRAIN`` so their tiles stay aligned.
+    token tiles of 64) has fewer than ``2 * n_sms`` programs: few tokens and
+    up to ~4,000 edits. Without it each program streams its few edits over
+    the whole of d (H100, T = 1: 113 us at 1,301 edits and 121 us at 2,600,
+    against 49 and 69 us with 4 slices; at 10,000 edits 4 slices lose 2%;
+    ``benchmarks/results/gpu/nvidia-h100-80gb-hbm3``). The d split then
+    multiplies the programs streaming addresses to about ``2 * n_sms``, and
+    at least ``_MIN_K_SPLIT``, never below ``_D_GRAIN`` columns a slice.
+    Slices are multiples of ``_D_GRAIN`` so their tiles stay aligned.
     """
     if d <= 0:
         return 1, 0
@@ -222,8 +228,8 @@ def _plan_k_split(T: int, n: int, d: int, n_sms: int, k_split: int) -> tuple:
         # of 16 there would skip the split that a batch of 1 gets.
         programs = -(-n // _EDIT_GRAIN) * -(-T // 64)
         k_split = 1
-        if programs < n_sms:
-            k_split = min(_MAX_K_SPLIT, -(-2 * n_sms // programs), d // _D_GRAIN)
+        if programs < 2 * n_sms:
+            k_split = min(_MAX_K_SPLIT, max(_MIN_K_SPLIT, -(-2 * n_sms // programs)), d // _D_GRAIN)
     k_split, per = _even_slices(d, k_split, _D_GRAIN)
     return (1, d) if k_split == 1 else (k_split, per)
 

@@ -60,7 +60,16 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
     if n <= CHECK_MAX_N:
         y = torch.zeros(T, w.d_out, device=ctx.device, dtype=dtype)
         aloe_residual_(y, w.h, w.op)
-        row["rel_err_vs_float64"] = rel_err(y, float64_delta(w.h, w.op))
+        ref = float64_delta(w.h, w.op)
+        row["rel_err_vs_float64"] = rel_err(y, ref)
+        worst = int((y.double() - ref).abs().argmax())
+        t, o = divmod(worst, w.d_out)
+        row["worst_element"] = {"token": t, "col": o, "got": float(y[t, o]), "ref": float(ref[t, o]),
+                                "ref_abs_max": float(ref.abs().max())}
+        if ctx.cuda:
+            from benchmarks.gate_profile import autotuned_configs
+
+            row["autotuned_so_far"] = autotuned_configs()
     providers = ["aloe_triton", "reference", "dense_lowrank", "cublas_scores"]
     if not ctx.cuda:
         providers[0] = "sparse"  # what aloe_residual_ runs on CPU outside the interpreter

@@ -257,6 +257,9 @@ def test_plan_k_split():
     assert [plan.n_bucket(n) for n in (1, 16, 17, 1301, 10000)] == [16, 16, 32, 2048, 16384]
     # a decode batch of 32 on 1,301 edits is split like a batch of 1 (one token tile of 64)
     assert P(32, 1301, 4096, torch.bfloat16, False, 132, d=4096).k_split > 1
+    # 163 edit blocks (fewer than 2 per SM): at least 4 slices
+    assert P(1, 2600, 4096, torch.bfloat16, False, 132, d=14336).k_split == 4
+    assert P(1, 1301, 4096, torch.bfloat16, False, 132, d=14336).k_split == 4
 
 
 def test_plan_o_split():
