@@ -36,18 +36,21 @@ UNIT_STRIDES = ("stride_hd", "stride_ad", "stride_wo", "stride_oo", "stride_thr"
                 "stride_yo")
 DIV16 = ("d", "d_out", "edits_per_split", "d_per_split", "o_per_split", "stride_ht", "stride_an", "stride_wn", "stride_ot",
          "stride_ws", "stride_wt", "stride_yt")
-# (mode, y dtype, input dtype, FROM_SCORES, SCALED_NORM, name) of the gate variants compiled. 16-bit
+# (mode, y dtype, input dtype, FROM_SCORES, SCALED_NORM, O_SLICED, name) of the gate variants compiled. 16-bit
 # inputs get the autotuning space and the fixed tiles; fp32 inputs only ever launch the fixed fp32
 # tiles (``_wide_tiles`` in aloe_gate.py).
 GATE_VARIANTS = (
-    (1, "fp32", "bf16", False, False, "atomic"),
-    (2, "fp32", "bf16", False, False, "partial"),
-    (2, "fp32", "bf16", True, True, "partial split-K B"),
-    (0, "fp32", "bf16", False, False, "direct"),
-    (1, "fp32", "fp32", False, False, "atomic"),
-    (2, "fp32", "fp32", False, False, "partial"),
-    (2, "fp32", "fp32", True, True, "partial split-K B"),
-    (0, "fp32", "fp32", False, False, "direct"),
+    (1, "fp32", "bf16", False, False, False, "atomic"),
+    (2, "fp32", "bf16", False, False, False, "partial"),
+    (2, "fp32", "bf16", True, True, False, "partial split-K B"),
+    (2, "fp32", "bf16", True, True, True, "partial split-K B, d_out slices"),
+    (1, "fp32", "bf16", True, True, True, "atomic split-K B, d_out slices"),
+    (0, "fp32", "bf16", False, False, False, "direct"),
+    (1, "fp32", "fp32", False, False, False, "atomic"),
+    (2, "fp32", "fp32", False, False, False, "partial"),
+    (2, "fp32", "fp32", True, True, False, "partial split-K B"),
+    (2, "fp32", "fp32", True, True, True, "partial split-K B, d_out slices"),
+    (0, "fp32", "fp32", False, False, False, "direct"),
 )
 FIXED_T = (1, 32, 64, 2048)  # one token count per fixed tile height
 
@@ -108,16 +111,18 @@ def _gate_rows() -> list:
     from aloe_kernels.ops.launch_plan import gate_configs, prune_gate_configs
 
     rows = []
-    for mode, ydt, dt, from_scores, scaled, name in GATE_VARIANTS:
+    for mode, ydt, dt, from_scores, scaled, sliced, name in GATE_VARIANTS:
         # only what the autotuner can pick: reading scores, the big tiles are pruned
-        cfgs = prune_gate_configs(gate_configs(), {"t_bucket": 128}, FROM_SCORES=from_scores)
+        cfgs = prune_gate_configs(gate_configs(), {"t_bucket": 128}, FROM_SCORES=from_scores, O_SLICED=sliced)
         tuned = [(c.kwargs, c.num_warps, c.num_stages, "autotune") for c in cfgs]
         src = "fp32" if from_scores else dt
         ptrs = {"h_ptr": f"*{src}", "a_ptr": f"*{src if from_scores else dt}", "thr_ptr": "*fp32",
                 "temp_ptr": "*fp32", "w_ptr": f"*{dt}", "out_ptr": f"*{ydt}", "flag_ptr": "*i32"}
-        for meta, warps, stages, kind in _fixed(dt == "fp32") + (tuned if dt == "bf16" else []):
+        # d_out slices are automatic only up to 32 tokens (launch_plan._O_SLICED_MAX_T): decode tiles
+        fixed = [f for f in _fixed(dt == "fp32") if not sliced or f[0]["BLOCK_T"] <= 32]
+        for meta, warps, stages, kind in fixed + (tuned if dt == "bf16" else []):
             consts = {"MODE": mode, "FROM_SCORES": from_scores, "SCALED_NORM": scaled, "CAST_SCORES": False,
-                      "CAST_WRITES": dt == "fp32", "DOT_PREC": "ieee", **meta}
+                      "CAST_WRITES": dt == "fp32", "DOT_PREC": "ieee", "O_SLICED": sliced, **meta}
             rows.append(("gate", f"{name} ({kind})", dt, ptrs, consts, warps, stages))
     return rows
 
@@ -203,6 +208,12 @@ Notes:
   and T=128, N=32 added. The gate reading a scores buffer (split-K phase B, tensor-parallel phase
   B) spills above 64 x 64 (token, edit) tiles, so `prune_gate_configs` drops those there.
   Scores: T=128, N=128 takes BLOCK_D 32 (64 spilled 72 bytes).
+- d_out slices (`O_SLICED`, a constexpr): the gate reading scores writes one slice of d_out per
+  program only at decode (at most 32 tokens). With the slice bounds live, its T=64, N=32 and
+  T=128, N=32 tiles spilled 4-12 bytes, and so did the unsliced T=16, N=32, D=128 partial tile
+  while the bounds were runtime values in every kernel. So the bounds are compile-time 0 and d_out
+  when not slicing, and `prune_gate_configs` keeps sliced tiles at most 32 tokens tall. An explicit
+  `o_split` at more tokens can still launch those tiles.
 - Fixed configurations (deterministic mode, explicit launches, fp32 inputs): 16-bit inputs
   T=16: N=64, D=128, O=128; T=32: N=32, D=128, O=128; T=64: N=64, D=128, O=64, 8 warps;
   T=128: N=32, D=64, O=64, 8 warps. fp32 inputs, which never autotune (the tuning space is

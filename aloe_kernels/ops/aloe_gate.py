@@ -98,7 +98,7 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
         )
         consts = {"MODE": plan.mode, "FROM_SCORES": from_scores, "SCALED_NORM": plan.k_split > 1,
                   "CAST_SCORES": cast_scores, "CAST_WRITES": interpret or writes.dtype == torch.float32,
-                  "DOT_PREC": "ieee"}
+                  "DOT_PREC": "ieee", "O_SLICED": plan.o_split > 1}
         if tuned:
             grid = lambda META: (triton.cdiv(T, META["BLOCK_T"]), plan.split, plan.o_split)  # noqa: E731
             k["gate_tuned_ws" if plan.mode == MODE_PARTIAL else "gate_tuned"][grid](*args, **consts)

@@ -206,11 +206,23 @@ def _gate_values(raw, inv_norm, thr_ptr, temp_ptr, offs_n, n_mask, valid, stride
 
 
 def _gate_add_writes(
-    g, w_ptr, out_ptr, offs_n64, offs_t64, t_mask, row_open, col_open, wrote, pid_s, o_lo, o_hi,
+    g, w_ptr, out_ptr, offs_n64, offs_t64, t_mask, row_open, col_open, wrote, pid_s, d_out, o_per_split,
     stride_wn, stride_wo, stride_os, stride_ot, stride_oo,
-    MODE: tl.constexpr, CAST_WRITES: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_O: tl.constexpr,
+    MODE: tl.constexpr, O_SLICED: tl.constexpr, CAST_WRITES: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_O: tl.constexpr,
 ):
-    """Add ``g @ U_chunk[:, o_lo:o_hi]`` to the program's target (see the modes in the module docstring)."""
+    """Add ``g @ U_chunk[:, o_lo:o_hi]`` to the program's target (see the modes in the module docstring).
+
+    With ``O_SLICED`` the slice ``[o_lo, o_hi)`` is program axis 2's; without it, all of d_out
+    (a constexpr, so that the unsliced kernels compile as before: some large tiles sit at the
+    register limit and spill with the slice bounds live).
+    """
+    if O_SLICED:
+        o_lo = tl.program_id(2) * o_per_split
+        o_hi = tl.minimum(o_lo + o_per_split, d_out)
+    else:
+        o_lo = 0
+        o_hi = d_out
     for o0 in range(o_lo, o_hi, BLOCK_O):
         offs_o = o0 + tl.arange(0, BLOCK_O)
         o_mask = offs_o < o_hi
@@ -247,14 +259,11 @@ def _gate_kernel(
     stride_os, stride_ot, stride_oo, stride_fs,
     eps, gate_eps, inv_one_minus_geps, t_bucket, n_bucket,
     MODE: tl.constexpr, FROM_SCORES: tl.constexpr, SCALED_NORM: tl.constexpr, CAST_SCORES: tl.constexpr,
-    CAST_WRITES: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAST_WRITES: tl.constexpr, DOT_PREC: tl.constexpr, O_SLICED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    # The d_out slice this program writes (the whole of d_out unless the gate reads scores).
-    o_lo = tl.program_id(2) * o_per_split
-    o_hi = tl.minimum(o_lo + o_per_split, d_out)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     offs_t64 = offs_t.to(tl.int64)
@@ -292,8 +301,8 @@ def _gate_kernel(
             # interpreter rejects a scalar folded into a block mask).
             wrote = tl.zeros((BLOCK_T,), dtype=tl.int32) + tl.max(any_open, axis=0)
             _gate_add_writes(g, w_ptr, out_ptr, offs_n64, offs_t64, t_mask, row_open, col_open, wrote, pid_s,
-                             o_lo, o_hi, stride_wn, stride_wo, stride_os, stride_ot, stride_oo,
-                             MODE, CAST_WRITES, DOT_PREC, BLOCK_O)
+                             d_out, o_per_split, stride_wn, stride_wo, stride_os, stride_ot, stride_oo,
+                             MODE, O_SLICED, CAST_WRITES, DOT_PREC, BLOCK_O)
             any_open = tl.maximum(any_open, row_open.to(tl.int32))
         # The next chunk's raw scores; after the last chunk the d range is empty (nothing is read).
         nx_mask = (offs_n + BLOCK_N) < e_hi
@@ -428,7 +437,7 @@ def jit_kernels(interpret: bool) -> dict:
         # count does not retune. Only y needs restoring between timed runs, and only
         # where the kernel adds into it (direct and atomic modes); the partial mode
         # rewrites its workspace, so its variant restores nothing.
-        key = ["t_bucket", "n_bucket", "d", "d_out", "MODE", "FROM_SCORES", "SCALED_NORM"]
+        key = ["t_bucket", "n_bucket", "d", "d_out", "MODE", "FROM_SCORES", "SCALED_NORM", "O_SLICED"]
         prune = {"early_config_prune": prune_gate_configs}
         out["gate_tuned"] = triton.autotune(configs=gate_configs(), key=key, prune_configs_by=prune,
                                             restore_value=["out_ptr"])(out["gate"])

@@ -85,6 +85,7 @@ _MAX_K_SPLIT = 8  # more d slices only add scores traffic and phase-B work
 _MIN_K_SPLIT = 4  # fewer did not pay on an H100 (the split-K docstring of _plan_k_split)
 _O_GRAIN = 256  # d_out slices of a gate reading scores are multiples of this (a whole number of BLOCK_O)
 _WRITE_PROGRAMS_PER_SM = 4  # programs a gate reading scores aims for, per SM
+_O_SLICED_MAX_T = 32  # most tokens for which d_out is sliced automatically (decode batches)
 _SCORES_TILE_MAX = 64 * 64  # largest (BLOCK_T x BLOCK_N) gate tile reading a scores buffer
 
 
@@ -199,12 +200,15 @@ def _plan_o_split(T: int, split: int, d_out: int, n_sms: int, o_split: int) -> t
     """(number of d_out slices, width of each) written by separate programs of a gate reading scores.
 
     Enough slices for about ``_WRITE_PROGRAMS_PER_SM * n_sms`` programs (token
-    tiles of 16 x edit ranges x slices), never below ``_O_GRAIN`` columns: a
-    prefill grid is already that large and keeps one slice.
+    tiles of 16 x edit ranges x slices), never below ``_O_GRAIN`` columns, and
+    only for decode (at most ``_O_SLICED_MAX_T`` tokens): a prefill grid is
+    large already, and its tall tiles spill registers with the slice bounds
+    live (``benchmarks/results/gpu/aot_sm90.md``).
     """
     if o_split <= 0:
         programs = split * -(-T // 16)
-        o_split = max(1, min(-(-_WRITE_PROGRAMS_PER_SM * n_sms // programs), d_out // _O_GRAIN))
+        o_split = 1 if T > _O_SLICED_MAX_T else \
+            max(1, min(-(-_WRITE_PROGRAMS_PER_SM * n_sms // programs), d_out // _O_GRAIN))
     return _even_slices(d_out, o_split, _O_GRAIN)
 
 
@@ -316,13 +320,16 @@ def prune_gate_configs(configs: list, named_args: dict, **kwargs) -> list:
     """Drop configurations whose token tile is much taller than the token count (``early_config_prune``).
 
     Reading scores (``FROM_SCORES``), tiles of more than 4,096 (token, edit)
-    pairs spill registers in the sm_90 compile, so they are dropped as well.
+    pairs spill registers in the sm_90 compile, so they are dropped as well;
+    writing d_out slices (``O_SLICED``), so are token tiles over 32.
     """
     bucket = int(named_args["t_bucket"])
     limit = max(16, bucket)
     kept = [c for c in configs if c.kwargs["BLOCK_T"] <= limit]
     if kwargs.get("FROM_SCORES", False):
         kept = [c for c in kept if c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_N"] <= _SCORES_TILE_MAX]
+    if kwargs.get("O_SLICED", False):  # decode tiles: the tall ones spill with the slice bounds live
+        kept = [c for c in kept if c.kwargs["BLOCK_T"] <= _O_SLICED_MAX_T] or kept
     if bucket >= 256:  # many tokens: skip the decode-only tiles
         kept = [c for c in kept if c.kwargs["BLOCK_T"] >= 64] or kept
     return kept or configs

@@ -57,7 +57,8 @@ def refresh_screen_(addresses_lo: torch.Tensor, handle: torch.Tensor, limit_lo: 
                     addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
                     gate_eps: float, active: int) -> None:
     """Refill the screen buffers in place for the first ``active`` (live) slots; the rest are screened out."""
-    limit_lo[:active].copy_(screen_limit(thresholds[:active].detach(), temperatures[:active].detach(), gate_eps))
+    limit_lo[:active].copy_(screen_limit(addresses[:active].detach(), thresholds[:active].detach(),
+                                         temperatures[:active].detach(), gate_eps))
     limit_lo[active:].fill_(float("inf"))
     a_lo = addresses[:active].detach().to(torch.bfloat16).contiguous()
     addresses_lo[:active].copy_(a_lo)

@@ -31,10 +31,10 @@ def _cases():
         return {"h_ptr": f"*{src or dt}", "a_ptr": f"*{dt}", "thr_ptr": f"*{dt}", "temp_ptr": f"*{dt}",
                 "w_ptr": f"*{dt}", "out_ptr": f"*{out}", "flag_ptr": "*i32"}
 
-    def gate_consts(mode, from_scores, dt, bt, bn, bd, bo, scaled=False):
+    def gate_consts(mode, from_scores, dt, bt, bn, bd, bo, scaled=False, sliced=False):
         return {"MODE": mode, "FROM_SCORES": from_scores, "SCALED_NORM": scaled, "CAST_SCORES": False,
-                "CAST_WRITES": dt == "fp32",
-                "DOT_PREC": "ieee", "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": bo}
+                "CAST_WRITES": dt == "fp32", "DOT_PREC": "ieee", "O_SLICED": sliced,
+                "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": bo}
 
     return {
         "decode_atomic_bf16": ("gate", gate_ptrs("bf16"), gate_consts(1, False, "bf16", 16, 32, 256, 128), 4),
@@ -43,6 +43,8 @@ def _cases():
                                   gate_consts(2, True, "fp16", 64, 64, 64, 128), 4),
         "split_k_apply_partial_bf16": ("gate", gate_ptrs("bf16", src="fp32"),
                                        gate_consts(2, True, "bf16", 16, 32, 64, 128, scaled=True), 4),
+        "split_k_apply_sliced_atomic_bf16": ("gate", gate_ptrs("bf16", src="fp32"),
+                                             gate_consts(1, True, "bf16", 16, 32, 64, 64, scaled=True, sliced=True), 4),
         "direct_fp32": ("gate", gate_ptrs("fp32"), gate_consts(0, False, "fp32", 64, 64, 128, 128), 4),
         "reduce_bf16": ("reduce", {"ws_ptr": "*fp32", "flag_ptr": "*i32", "y_ptr": "*bf16"},
                         {"BLOCK_S": 32, "BLOCK_T": 1, "BLOCK_O": 128}, 4),

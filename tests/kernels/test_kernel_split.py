@@ -271,6 +271,7 @@ def test_plan_o_split():
     assert P(1, 10000, 4096, torch.bfloat16, False, 132, d=14336).o_split == 1  # reads h: one slice
     assert P(2048, 1301, 4096, torch.bfloat16, False, 132).o_split == 1  # phase B of a prefill: enough programs
     assert P(1, 10000, 4096, torch.bfloat16, False, 132).o_split > 1  # phase B of decode
+    assert P(64, 300, 4096, torch.bfloat16, False, 132, d=14336).o_split == 1  # more than 32 tokens
     p = P(1, 50, 24, torch.float32, False, 1, d=80, k_split=2, o_split=5)
     assert (p.o_split, p.o_per_split) == (5, 5)
     assert P(1, 50, 24, torch.float32, False, 1, d=80, o_split=5).o_split == 1  # d not split: o_split ignored
