@@ -342,8 +342,10 @@ class _Build:
                     rows_of[owner].append(k)
 
         def targets() -> tuple[dict[str, torch.Tensor], dict]:
-            deltas, nll, produced = write_targets(forward(), cfg, self.ckpt.parts("6_targets"), rows_of)
-            return {"Y": deltas}, {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced}
+            steps: dict = {}
+            deltas, nll, produced = write_targets(forward(), cfg, self.ckpt.parts("6_targets"), rows_of, steps)
+            return {"Y": deltas}, {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced,
+                                   **steps}
 
         Y = self.stage("6_targets", targets)["Y"]
         negatives = [roll["pool"], roll["specific"]]

@@ -39,7 +39,8 @@ def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens:
 
 
 def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None = None,
-                  rows_of: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, list[float], float]:
+                  rows_of: Sequence[Sequence[int]] | None = None, stats: dict | None = None
+                  ) -> tuple[torch.Tensor, list[float], float]:
     """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its sequences with out += g_i(h) delta_i.
 
     ``rows_of[i]`` lists the sequences of ``fwd`` that slot i's delta is fitted on (default: its
@@ -48,7 +49,9 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     (up to ``target_max_steps``) on the edits not yet produced greedily; an edit leaves the batch
     once it is, with the delta of that step. Returns the deltas, each edit's final NLL (mean over
     its sequences) and the share produced. With ``parts`` each batch is saved as it finishes and
-    read back when the stage resumes.
+    read back when the stage resumes. ``stats``, when given, receives the optimiser steps per batch
+    (``steps_mean``, ``steps_max``) and how many batches ran past ``target_steps``
+    (``batches_past_target_steps``), over the batches that recorded them.
     """
     if cfg.target_l2 < 0 or cfg.target_steps < 0 or cfg.target_max_steps < 0:
         raise ValueError("target_l2, target_steps and target_max_steps must be >= 0")
@@ -62,6 +65,7 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     order = sorted(range(n), key=lambda i: len(fwd.seqs[i]))  # similar lengths share a batch: less padding
     batches = [order[start: start + cfg.target_batch] for start in range(0, n, cfg.target_batch)]
     saved = {k for k in range(len(batches)) if parts is not None and parts.has(f"batch-{k}")}
+    steps: list[int] = []
     # the bar starts past the batches read back: its rate and time left are this run's
     bar = tqdm(total=len(batches), initial=len(saved), desc="stage 6: write targets", leave=False)
     with fwd.frozen(), bar:
@@ -73,15 +77,21 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
                     parts.put(f"batch-{k}", piece)
                 bar.update(1)
             deltas[slots] = piece["delta"]
+            if "steps" in piece:  # batches saved before the count was kept have none
+                steps.append(int(piece["steps"]))
             for i, v, e in zip(slots, piece["nll"].tolist(), piece["produced"].tolist()):
                 final_losses[i], produced[i] = v, bool(e)
             bar.set_postfix(nll=f"{float(piece['nll'].mean()):.3f}")
+    if stats is not None and steps:
+        stats.update(steps_mean=sum(steps) / len(steps), steps_max=max(steps),
+                     batches_past_target_steps=sum(k > cfg.target_steps for k in steps))
     return deltas, final_losses, sum(produced) / max(n, 1)
 
 
 def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig) -> dict[str, torch.Tensor]:
     """Stage 6 for one batch of slots (``rows_of[b]``: the sequences of the b-th): their deltas,
-    final NLLs (mean over each slot's sequences) and whether each is produced."""
+    final NLLs (mean over each slot's sequences), whether each is produced, and the optimiser
+    steps the batch took."""
     B = len(rows_of)
     delta = torch.zeros(B, fwd.d_out, device=fwd.device, requires_grad=True)
     out = torch.zeros(B, fwd.d_out)
@@ -99,6 +109,7 @@ def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig
         return rows, at, count, fwd.own_gates(rows)[..., None]  # gates (R, W, 1)
 
     rows, at, count, g = flatten(live)
+    step = 0
     for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
         nll_rows, exact_rows = fwd.scored(rows, g * delta[live][at][:, None, :])
         nll = torch.zeros(len(live), device=fwd.device).index_add(0, at, nll_rows) / count
@@ -122,7 +133,8 @@ def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {"delta": out, "nll": nll_out, "produced": produced}
+    # the loop stops at step k before its update (or after the last one): k updates were made
+    return {"delta": out, "nll": nll_out, "produced": produced, "steps": torch.tensor(step)}
 
 
 def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch.Tensor:

@@ -65,6 +65,8 @@ def test_tiny_pipeline_shapes_report_and_determinism(tmp_path):
     for protocol in ("subject", "relation"):  # each protocol scored, or the reason it could not be
         assert {"learned", "raw_control"} <= set(encoder[protocol]) or "skipped" in encoder[protocol]
     assert 0.0 <= encoder["subject"]["learned"]["scope_auc"] <= 1.0
+    targets = report["stages"]["6_targets"]  # the optimiser steps of its batches are reported
+    assert 0 <= targets["steps_mean"] <= targets["steps_max"] <= _tiny_cfg(tmp_path).target_max_steps
     assert not list((tmp_path / "run" / "checkpoints").glob("*.parts"))  # stage parts go once a stage is done
     again = build_operator(tiny_model("llama"), tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run2", log=None)
     assert again.fingerprint() == op.fingerprint()
@@ -347,9 +349,9 @@ def test_target_chat_forms_fit_each_write_target_on_its_request_and_chat_form(tm
     seen = []
     real = pipeline.write_targets
 
-    def spy(fwd, cfg, parts=None, rows_of=None):
+    def spy(fwd, cfg, parts=None, rows_of=None, stats=None):
         seen.append(([fwd.seqs[j] for j in rows] for rows in rows_of))
-        return real(fwd, cfg, parts, rows_of)
+        return real(fwd, cfg, parts, rows_of, stats)
 
     monkeypatch.setattr(pipeline, "write_targets", spy)
     for forms in (False, True):

@@ -141,10 +141,14 @@ def test_write_targets_keep_going_until_targets_are_produced():
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
     short = BuildConfig(target_steps=0, target_max_steps=0, target_lr=0.05, target_batch=4)
     longer = BuildConfig(target_steps=0, target_max_steps=150, target_lr=0.05, target_batch=4)
+    stats_short, stats_long = {}, {}
     with fwd.frozen():
-        _, nll_short, produced_short = write_targets(fwd, short)
-        deltas, nll_long, produced_long = write_targets(fwd, longer)
+        _, nll_short, produced_short = write_targets(fwd, short, stats=stats_short)
+        deltas, nll_long, produced_long = write_targets(fwd, longer, stats=stats_long)
     assert produced_short < 1.0  # the unedited model does not produce these targets
+    # one batch of 4: no step at all with 0 allowed; past the 0 fixed steps, at most 150, with 150
+    assert stats_short == {"steps_mean": 0.0, "steps_max": 0, "batches_past_target_steps": 0}
+    assert 0 < stats_long["steps_max"] <= 150 and stats_long["batches_past_target_steps"] == 1
     assert produced_long > produced_short and sum(nll_long) < sum(nll_short)
     rows = list(range(len(seqs)))
     g = fwd.own_gates(rows)[..., None]
