@@ -109,7 +109,6 @@ def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig
         return rows, at, count, fwd.own_gates(rows)[..., None]  # gates (R, W, 1)
 
     rows, at, count, g = flatten(live)
-    step = 0
     for step in range(max(cfg.target_steps, cfg.target_max_steps) + 1):
         nll_rows, exact_rows = fwd.scored(rows, g * delta[live][at][:, None, :])
         nll = torch.zeros(len(live), device=fwd.device).index_add(0, at, nll_rows) / count

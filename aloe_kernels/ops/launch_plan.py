@@ -188,8 +188,11 @@ def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic:
 
 
 def _even_slices(width: int, parts: int, grain: int) -> tuple:
-    """(count, width) of at most ``parts`` slices of ``width`` columns, multiples of ``grain`` where they fit."""
+    """(count, width) of at most ``parts`` slices of ``width`` columns, multiples of ``grain`` where they
+    fit; one slice is the whole width."""
     parts = max(1, min(parts, width))
+    if parts == 1:
+        return 1, width
     grain = grain if width >= grain * parts else 1
     per = -(-width // parts)
     per = -(-per // grain) * grain
@@ -234,8 +237,7 @@ def _plan_k_split(T: int, n: int, d: int, n_sms: int, k_split: int) -> tuple:
         k_split = 1
         if programs < 2 * n_sms:
             k_split = min(_MAX_K_SPLIT, max(_MIN_K_SPLIT, -(-2 * n_sms // programs)), d // _D_GRAIN)
-    k_split, per = _even_slices(d, k_split, _D_GRAIN)
-    return (1, d) if k_split == 1 else (k_split, per)
+    return _even_slices(d, k_split, _D_GRAIN)
 
 
 # Fixed (untuned) tiles per token tile height: (BLOCK_T, BLOCK_N, BLOCK_D, BLOCK_O). Chosen so that
