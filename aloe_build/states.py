@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aloe_kernels.hf import locate_down_proj
-from aloe_kernels.operator import DEFAULT_EPS
+from aloe_kernels.reference import normalize_rows
 
 from .forward import Tick, model_device
 from .tokens import batch_inputs, encode_prompt, pad_id
@@ -85,12 +85,6 @@ class StateBatch:
         """For every state row, the index of its sequence."""
         counts = self.offsets[1:] - self.offsets[:-1]
         return torch.repeat_interleave(torch.arange(len(counts)), counts)
-
-
-def normalize_rows(h: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Rows of ``h`` in float32 divided by ``max(|row|, eps)``, as the gate normalizes them."""
-    h = h.float()
-    return h / h.norm(dim=-1, keepdim=True).clamp_min(eps)
 
 
 def collect_states(

@@ -10,12 +10,18 @@ import math
 
 import torch
 
-from .operator import AloeOperator
+from .operator import DEFAULT_EPS, AloeOperator
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other floating dtype computes in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def normalize_rows(h: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """Rows of ``h`` in float32 divided by ``max(|row|, eps)``, as the gate normalizes them (zero rows stay zero)."""
+    h = h.float()
+    return h / torch.linalg.vector_norm(h, dim=-1, keepdim=True).clamp_min(eps)
 
 
 def _check_input(h: torch.Tensor, op: AloeOperator) -> None:

@@ -15,9 +15,11 @@ from typing import Callable
 
 import torch
 
-from .reference import gates_from_scores, open_score_floor
+from .operator import AloeOperator
+from .reference import normalize_rows, open_score_floor
+from .residual import sparse_residual_
 
-__all__ = ["SCREEN_MARGIN", "fast_bf16_cpu", "screen_limit", "screened_residual_"]
+__all__ = ["SCREEN_MARGIN", "fast_bf16_cpu", "rescore_kept_", "screen_limit", "screened_residual_"]
 
 #: Margin of the screen per unit of ``max(1, |address|, |open floor|)``: each edit's bf16 limit is its
 #: open floor minus this times that scale. Worst case of |bf16 score - exact score| with |h/|h|| = 1
@@ -53,24 +55,28 @@ def screened_residual_(
     when given (e.g. a GEMM over a prepacked copy of the addresses), else
     ``hb @ addresses_lo.T``; either way (T, n) bf16.
     """
-    n, d = addresses.shape
-    d_out = writes.shape[1]
+    d = addresses.shape[1]
     h2 = h.reshape(-1, d)
-    if h2.shape[0] == 0 or n == 0:
+    if h2.shape[0] == 0 or addresses.shape[0] == 0:
         return y
-    hf = h2.float()
-    hn = hf / torch.linalg.vector_norm(hf, dim=1, keepdim=True).clamp_min(eps)
-    hb = hn.to(torch.bfloat16)
-    raw = screen_gemm(hb) if screen_gemm is not None else hb @ addresses_lo.T
+    hn = normalize_rows(h2, eps)
+    raw = screen_gemm(hn.to(torch.bfloat16)) if screen_gemm is not None else hn.to(torch.bfloat16) @ addresses_lo.T
     best = raw.amax(dim=0)  # (n,): one pass over the bf16 scores
-    idx = (best > limit_lo).nonzero().squeeze(1)
-    if idx.numel() == 0:
+    return rescore_kept_(y, h2, (best > limit_lo).nonzero().squeeze(1), addresses, thresholds, temperatures,
+                         writes, eps, gate_eps)
+
+
+def rescore_kept_(y: torch.Tensor, h: torch.Tensor, kept: torch.Tensor, addresses: torch.Tensor,
+                  thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor, eps: float,
+                  gate_eps: float) -> torch.Tensor:
+    """``y += U g(h)`` (in place) over the edits ``kept`` by a screen, through the fp32 sparse path
+    (:func:`aloe_kernels.residual.sparse_residual_`) on those rows; the screen guarantees that every
+    other edit's gate is 0 for every row of ``h`` (T, d)."""
+    if kept.numel() == 0:
         return y
-    s = hn @ addresses.index_select(0, idx).float().T
-    g = gates_from_scores(s, thresholds.index_select(0, idx).float(), temperatures.index_select(0, idx).float(),
-                          gate_eps)
-    y.view(-1, d_out).add_((g @ writes.index_select(0, idx).float()).to(y.dtype))
-    return y
+    rows = AloeOperator.unchecked(addresses.index_select(0, kept), thresholds.index_select(0, kept),
+                                  temperatures.index_select(0, kept), writes.index_select(0, kept), eps, gate_eps)
+    return sparse_residual_(y, h, rows)
 
 
 def fast_bf16_cpu() -> bool:

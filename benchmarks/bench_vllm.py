@@ -268,7 +268,8 @@ def _settings(args: argparse.Namespace, base_dir: Path) -> dict:
             "open_fraction": args.open_fraction,
             "omp_bind": args.omp_bind or "auto",
             "cpu_path": "ALOE_VLLM_SCREEN=" + os.environ.get("ALOE_VLLM_SCREEN", "auto")
-                        + " (auto: screened bf16 + exact fp32 recheck for n >= 256 on AMX/AVX512-BF16 CPUs)"}
+                        + " (auto, n >= 256: a bf16 screen on AMX/AVX512-BF16 CPUs, else an int8 screen;"
+                          " exact fp32 recheck)"}
 
 
 def write_results(out: Path, meta: dict, rows: list[dict]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from aloe_kernels import AloeOperator
@@ -36,3 +38,26 @@ def operator_opening_on(h: torch.Tensor, n_extra: int, d_out: int, seed: int = 0
         temperatures=torch.full((n,), 30.0, dtype=torch.float64),
         writes=torch.randn(n, d_out, generator=g, dtype=torch.float64),
     ).to(dtype=dtype)
+
+
+def operator_near_its_floors(seed: int, T: int = 96, d: int = 256, d_out: int = 24, n: int = 400):
+    """Served-like: h (T, d) and an operator whose first half of edits have floors within +-0.3 of an exact score
+    (some open barely, some stay shut barely), addresses of norms 90-170, temperatures 0.7-160."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, d, generator=g).relu() * 3.0
+    hn = torch.nn.functional.normalize(h, dim=1)
+    norms = 90.0 + 80.0 * torch.rand(n, generator=g)
+    dirs = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    half = n // 2
+    rows = torch.randint(0, T, (half,), generator=g)
+    dirs[:half] = torch.nn.functional.normalize(hn[rows] + 0.3 * torch.randn(half, d, generator=g) / d ** 0.5, dim=1)
+    addresses = dirs * norms[:, None]
+    temperatures = torch.exp(torch.empty(n).uniform_(math.log(0.7), math.log(160.0), generator=g))
+    gate_eps = 1e-3
+    exact = (hn[rows].double() * addresses[:half].double()).sum(1).float()
+    floor_shift = math.log(gate_eps / (1 - gate_eps)) / temperatures[:half]
+    thresholds = torch.full((n,), 40.0)  # the other half never opens
+    thresholds[:half] = exact + (torch.rand(half, generator=g) - 0.5) * 0.6 - floor_shift
+    op = AloeOperator(addresses=addresses, thresholds=thresholds, temperatures=temperatures,
+                      writes=torch.randn(n, d_out, generator=g), gate_eps=gate_eps)
+    return h, op

@@ -16,9 +16,11 @@ runs the layer's usual output all-reduce. With tensor parallelism:
 
 With one rank this is a single pass through ``aloe_kernels.aloe_residual_``
 (``aloe_vllm::residual_``: the fused Triton kernel on CUDA), or on CPU, for
-operators of a few hundred edits and more, the screened path
+operators of a few hundred edits and more, a screened path
 (``aloe_vllm::screened_residual_``: a bf16 screen over all edits, exact fp32
-gates for the few that may open; same result, a fraction of the cost).
+gates for the few that may open; ``aloe_vllm::int8_screened_residual_``: the
+same with an int8 screen, on CPUs without bf16 dot products; same result, a
+fraction of the cost).
 
 Live edits: the layer reserves ``capacity`` slots (config.json's ``aloe.capacity``,
 default n); :meth:`AloeRowParallelLinear.aloe_swap_` copies a new operator into
@@ -40,7 +42,7 @@ from vllm.model_executor.layers.linear import RowParallelLinear
 
 from . import ops  # noqa: F401  (importing registers the torch.ops.aloe_vllm custom ops)
 from .format import INERT, AloeSpec, AloeSpecError, edit_share
-from .screen import refresh_screen_, screen_buffers, screening_enabled
+from .screen import refresh_int8_screen_, refresh_screen_, screen_buffers, screen_kind
 
 __all__ = ["AloeRowParallelLinear"]
 
@@ -98,18 +100,23 @@ class AloeRowParallelLinear(RowParallelLinear):
         self.aloe_operator_hash = spec.operator_fingerprint
         self.aloe_loaded_at: float | None = None
         self.aloe_loaded: set[str] = set()
-        self.aloe_screen = False
+        self.aloe_screen: str | None = None  # "bf16", "int8" or None (see screen.screen_kind)
 
     def aloe_finalize(self) -> None:
-        """After loading: set up the screened CPU path if it applies (bf16 copies of the addresses)."""
+        """After loading: set up a screened CPU path if one applies (bf16 or int8 copies of the addresses)."""
         self.aloe_loaded_at = time.time()
-        self.aloe_screen = screening_enabled(self.aloe_n, self.aloe_addresses.device, self.tp_size)
-        if self.aloe_screen:
+        self.aloe_screen = screen_kind(self.aloe_n, self.aloe_addresses.device, self.tp_size)
+        if self.aloe_screen is not None:
             for name, buf in screen_buffers(self.aloe_n, self.aloe_addresses).items():
-                self.register_buffer(name, buf, persistent=False)
+                if self.aloe_screen == "bf16" or name == "aloe_screen_handle":
+                    self.register_buffer(name, buf, persistent=False)
             self._aloe_refresh_screen()
 
     def _aloe_refresh_screen(self) -> None:
+        if self.aloe_screen == "int8":
+            refresh_int8_screen_(self.aloe_screen_handle, self.aloe_addresses, self.aloe_thresholds,
+                                 self.aloe_temperatures, self.aloe_gate_eps, self.aloe_active_n)
+            return
         refresh_screen_(self.aloe_addresses_lo, self.aloe_screen_handle, self.aloe_limit_lo,
                         self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures, self.aloe_gate_eps,
                         self.aloe_active_n)
@@ -178,7 +185,7 @@ class AloeRowParallelLinear(RowParallelLinear):
             self._place_rows("aloe_" + field, getattr(op, field).detach())
         self.aloe_active_n = op.n
         self.aloe_active.fill_(op.n)
-        if self.aloe_screen:
+        if self.aloe_screen is not None:
             self._aloe_refresh_screen()
         self.aloe_operator_hash = operator_hash
         self.aloe_loaded_at = time.time()
@@ -191,7 +198,13 @@ class AloeRowParallelLinear(RowParallelLinear):
     # ---------------------------------------------------------------- forward
     def _add_aloe_(self, out: torch.Tensor, h: torch.Tensor) -> None:
         """Add this rank's part of ``U g(h)`` into the partial output, before the all-reduce."""
-        if self.aloe_screen:
+        if self.aloe_screen == "int8":
+            torch.ops.aloe_vllm.int8_screened_residual_(
+                out, h, self.aloe_screen_handle, self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures,
+                self.aloe_writes, self.aloe_eps, self.aloe_gate_eps, self.aloe_active,
+            )
+            return
+        if self.aloe_screen == "bf16":
             torch.ops.aloe_vllm.screened_residual_(
                 out, h, self.aloe_addresses_lo, self.aloe_screen_handle, self.aloe_limit_lo, self.aloe_addresses,
                 self.aloe_thresholds,

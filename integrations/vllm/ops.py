@@ -14,6 +14,10 @@ PyTorch otherwise:
   (a bf16 screen, exact fp32 gates for the edits that may open), whose screen
   GEMM runs on vLLM's prepacked oneDNN handle when there is one
   (:func:`aloe_vllm.screen.refresh_screen_`).
+- ``aloe_vllm::int8_screened_residual_(y, h, handle, A, tau, alpha, U, eps, gate_eps, active=None)``:
+  the same with the int8 screen of :mod:`aloe_kernels.screened_int8` (CPUs
+  without bf16 dot products), prepared for the live rows under ``handle``
+  (:func:`aloe_vllm.screen.refresh_int8_screen_`).
 - ``aloe_vllm::partial_scores(h_shard, A_shard) -> (T, n+1) fp32``: tensor
   parallel phase A (:func:`aloe_kernels.tensor_parallel.partial_scores`). The
   caller sums it over the TP group.
@@ -32,11 +36,14 @@ from typing import Callable, Optional
 
 import torch
 
-from aloe_kernels import screened, tensor_parallel
+from aloe_kernels import screened, screened_int8, tensor_parallel
 from aloe_kernels.operator import AloeOperator
 from aloe_kernels.residual import aloe_residual_
 
-__all__ = ["apply_from_scores_", "partial_scores", "profile_counters", "residual_", "screened_residual_"]
+from .screen import int8_screen_of
+
+__all__ = ["apply_from_scores_", "int8_screened_residual_", "partial_scores", "profile_counters", "residual_",
+           "screened_residual_"]
 
 # Opt-in timing of the ALOE ops in this process (ALOE_VLLM_PROFILE=1), for benchmarks:
 # read with profile_counters(), e.g. through LLM.collective_rpc in vLLM workers.
@@ -133,6 +140,27 @@ def screened_residual_(
 @screened_residual_.register_fake
 def _screened_fake(y, h, addresses_lo, screen_handle, limit_lo, addresses, thresholds, temperatures, writes, eps,
                    gate_eps, active=None) -> None:
+    return None
+
+
+@torch.library.custom_op("aloe_vllm::int8_screened_residual_", mutates_args=("y",))
+def int8_screened_residual_(
+    y: torch.Tensor, h: torch.Tensor, screen_handle: torch.Tensor, addresses: torch.Tensor,
+    thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float,
+    active: Optional[torch.Tensor] = None,
+) -> None:
+    """``y += U g(h)``: the int8-screened CPU path over the first ``active`` slots (what the screen holds)."""
+    k = _live_rows(addresses, active)
+    if k == 0:
+        return
+    with _timed(h.numel() // h.shape[-1]):
+        screened_int8.int8_screened_residual_(y, h, int8_screen_of(screen_handle), addresses[:k], thresholds[:k],
+                                              temperatures[:k], writes[:k], eps, gate_eps)
+
+
+@int8_screened_residual_.register_fake
+def _int8_screened_fake(y, h, screen_handle, addresses, thresholds, temperatures, writes, eps, gate_eps,
+                        active=None) -> None:
     return None
 
 

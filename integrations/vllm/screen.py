@@ -1,10 +1,11 @@
-"""When the TP=1 layer takes the screened CPU path, and its screen GEMM operand on vLLM's CPU backend.
+"""When the TP=1 layer takes a screened CPU path, and the screen's operands on vLLM's CPU backend.
 
-The math of the path is :mod:`aloe_kernels.screened`; this module holds what
-depends on vLLM (its oneDNN GEMM), the layer's fixed-shape screen buffers
-(refreshed in place after a live swap), and the plugin's settings:
+The math of the paths is :mod:`aloe_kernels.screened` (bf16, for CPUs with bf16 dot products) and
+:mod:`aloe_kernels.screened_int8` (int8, for the others); this module holds what depends on vLLM
+(its oneDNN GEMM), the layer's fixed-shape screen buffers (refreshed in place after a live swap),
+and the plugin's settings:
 
-- ``ALOE_VLLM_SCREEN``: ``auto`` (default), ``1`` or ``0`` (see :func:`screening_enabled`);
+- ``ALOE_VLLM_SCREEN``: ``auto`` (default), ``bf16`` (or ``1``), ``int8`` or ``0`` (see :func:`screen_kind`);
 - ``ALOE_VLLM_SCREEN_MIN_N``: the smallest operator screened in ``auto`` mode (default 256);
 - ``ALOE_VLLM_SCREEN_ONEDNN``: ``0`` screens with ``torch.matmul`` instead of
   vLLM's prepacked oneDNN GEMM.
@@ -18,12 +19,16 @@ import torch
 
 from aloe_kernels.runtime import triton_interpreting
 from aloe_kernels.screened import fast_bf16_cpu, screen_limit
+from aloe_kernels.screened_int8 import Int8Screen, int8_screen_supported
 
-__all__ = ["refresh_screen_", "screen_buffers", "screening_enabled"]
+__all__ = ["int8_screen_of", "refresh_int8_screen_", "refresh_screen_", "screen_buffers", "screen_kind"]
 
 # Packed oneDNN matrices by the address of the handle buffer they serve: a handler frees its matrix
 # when collected, so it lives until a swap replaces it (between two forward passes).
 _SCREEN_HANDLERS: dict[int, object] = {}
+# Int8 screens by the key their layer's handle buffer holds (a packed int8 matrix is no tensor, so the
+# op, opaque to torch.compile, looks it up); a refresh replaces the layer's entry.
+_INT8_SCREENS: dict[int, Int8Screen] = {}
 
 
 def _onednn(device: torch.device):
@@ -76,18 +81,46 @@ def refresh_screen_(addresses_lo: torch.Tensor, handle: torch.Tensor, limit_lo: 
         _SCREEN_HANDLERS[handle.data_ptr()] = handler
 
 
-def screening_enabled(n: int, device: torch.device, tp_size: int) -> bool:
-    """Whether the TP=1 layer takes the screened CPU path.
+def screen_kind(n: int, device: torch.device, tp_size: int) -> str | None:
+    """Which screened path the TP=1 layer takes: ``"bf16"``, ``"int8"`` or None (the plain path).
 
-    ``ALOE_VLLM_SCREEN``: ``auto`` (default: CPU, one rank, no Triton interpreter,
-    fast bf16, n >= ``ALOE_VLLM_SCREEN_MIN_N``, default 256), ``1`` (on CPU
-    whenever possible, for tests), ``0`` (never).
+    ``ALOE_VLLM_SCREEN``: ``auto`` (default: on CPU, one rank, no Triton interpreter, n >=
+    ``ALOE_VLLM_SCREEN_MIN_N`` (default 256): bf16 where the CPU has bf16 dot products, else int8
+    where PyTorch has its int8 linear), ``bf16`` or ``1`` and ``int8`` (on CPU whenever possible, for
+    tests and benchmarks), ``0`` (never).
     """
     mode = os.environ.get("ALOE_VLLM_SCREEN", "auto").lower()
     if mode in ("0", "off", "false") or device.type != "cpu" or tp_size != 1 or n == 0:
-        return False
+        return None
     if triton_interpreting():
-        return False  # the Triton kernel is what is being exercised then
-    if mode in ("1", "on", "true"):
-        return True
-    return fast_bf16_cpu() and n >= int(os.environ.get("ALOE_VLLM_SCREEN_MIN_N", "256"))
+        return None  # the Triton kernel is what is being exercised then
+    if mode in ("1", "on", "true", "bf16"):
+        return "bf16"
+    if mode == "int8":
+        if not int8_screen_supported():
+            raise RuntimeError("ALOE_VLLM_SCREEN=int8, but this PyTorch has no int8 linear on CPU (fbgemm)")
+        return "int8"
+    if mode != "auto":
+        raise ValueError(f"ALOE_VLLM_SCREEN={mode!r}: use auto, bf16, int8 or 0")
+    if n < int(os.environ.get("ALOE_VLLM_SCREEN_MIN_N", "256")):
+        return None
+    if fast_bf16_cpu():
+        return "bf16"
+    return "int8" if int8_screen_supported() else None
+
+
+def refresh_int8_screen_(handle: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
+                         temperatures: torch.Tensor, gate_eps: float, active: int) -> None:
+    """Quantise and pack the first ``active`` (live) rows; ``handle`` (0-dim int64) then names the screen."""
+    key = handle.data_ptr()
+    _INT8_SCREENS[key] = Int8Screen.prepare(addresses[:active], thresholds[:active], temperatures[:active],
+                                            gate_eps)
+    handle.fill_(key)
+
+
+def int8_screen_of(handle: torch.Tensor) -> Int8Screen:
+    """The int8 screen a layer's handle names (:func:`refresh_int8_screen_`)."""
+    screen = _INT8_SCREENS.get(int(handle))
+    if screen is None:
+        raise RuntimeError("no int8 screen is prepared for this layer (refresh_int8_screen_ was not run)")
+    return screen

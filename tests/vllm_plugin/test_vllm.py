@@ -202,13 +202,15 @@ def test_tiny_parity_eager_and_compiled(tiny, family, vllm_cache):
         {**run, "eager": True, "env": {"ALOE_VLLM_SCREEN": "0"}},  # CPU sparse path (aloe_residual_)
         # vLLM's default compiled mode on CPU (Dynamo + Inductor), screened CPU path
         {**run, "eager": False, "env": {"ALOE_VLLM_SCREEN": "1"}},
+        {**run, "eager": False, "env": {"ALOE_VLLM_SCREEN": "int8"}},  # the screened path of AVX2 CPUs
     ]
-    eager, compiled = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
+    eager, compiled, compiled_int8 = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
     # The fused Triton kernel, interpreted: in a process of its own, since Triton reads
     # TRITON_INTERPRET when the kernels are defined, not when they run.
     (kernel,) = run_vllm_generate([{**run, "eager": True}], env=vllm_env(1, vllm_cache, TRITON_INTERPRET="1"))
     assert eager == t["hf_edit"]
     assert compiled == t["hf_edit"]
+    assert compiled_int8 == t["hf_edit"]
     assert kernel == t["hf_edit"]
     t["vllm_tp1"] = eager
 
@@ -381,13 +383,15 @@ def smol(tmp_path_factory):
 
 
 def test_smollm2_parity_with_transformers(smol, vllm_cache):
-    (got,) = run_vllm_generate(
-        [{"model": str(smol["serve"]), "prompts": smol["prompts"], "max_tokens": SMOL_TOKENS, "eager": True,
-          "env": {"ALOE_VLLM_SCREEN": "1"}}],  # the path large operators take on CPU (the server test: n=20, sparse)
+    run = {"model": str(smol["serve"]), "prompts": smol["prompts"], "max_tokens": SMOL_TOKENS, "eager": True}
+    # the paths large operators take on CPU, with and without bf16 dot products (the server test: n=20, sparse)
+    got, got_int8 = run_vllm_generate(
+        [{**run, "env": {"ALOE_VLLM_SCREEN": "1"}}, {**run, "env": {"ALOE_VLLM_SCREEN": "int8"}}],
         env=vllm_env(1, vllm_cache),
     )
-    mismatches = [(smol["prompts"][i], smol["hf"][i], got[i]) for i in range(len(got)) if got[i] != smol["hf"][i]]
-    assert not mismatches, mismatches[:3]
+    for out in (got, got_int8):
+        mismatches = [(smol["prompts"][i], smol["hf"][i], out[i]) for i in range(len(out)) if out[i] != smol["hf"][i]]
+        assert not mismatches, mismatches[:3]
     # The edited facts come out: the first token of the new target on the edited requests.
     hits = sum(g[0] == t for g, t in zip(got[:SMOL_EDITS], smol["target_first"]))
     assert hits >= SMOL_EDITS - 1, hits
