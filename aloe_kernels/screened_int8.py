@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-
 from .operator import AloeOperator
 from .reference import normalize_rows, open_score_floor
 from .residual import sparse_residual_
 from .screened import rescore_kept_
 
-__all__ = ["ADDRESS_LEVELS", "INT8_SCREEN_MAX_TOKENS", "STATE_LEVELS", "Int8Screen", "int8_screen_supported", "int8_screened_residual_"]
+__all__ = ["ADDRESS_LEVELS", "INT8_SCREEN_MAX_TOKENS", "STATE_LEVELS", "Int8Screen", "int8_screen_supported",
+           "int8_screened_residual_"]
 
 #: Address levels either side of 0: 7 bits, so that u8 x s8 pair sums fit AVX2's 16 bits (2*255*63 < 2^15).
 ADDRESS_LEVELS = 63

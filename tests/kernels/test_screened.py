@@ -6,11 +6,11 @@ unit addresses drops gates that open. These cases are built that way.
 """
 
 import torch
+from helpers import operator_near_its_floors
 
-from aloe_kernels import AloeOperator, aloe_reference
+from aloe_kernels import aloe_reference
 from aloe_kernels.reference import open_score_floor
 from aloe_kernels.screened import SCREEN_MARGIN, screen_limit, screened_residual_
-from helpers import operator_near_its_floors
 
 
 def _screened(h, op, limit):

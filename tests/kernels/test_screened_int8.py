@@ -6,12 +6,11 @@ scores, on served-like operators (long addresses, steep gates, outlier dimension
 
 import pytest
 import torch
+from helpers import operator_near_its_floors, random_operator
 
 from aloe_kernels import AloeOperator, aloe_reference
 from aloe_kernels.reference import normalize_rows
-from aloe_kernels.screened_int8 import (ADDRESS_LEVELS, INT8_SCREEN_MAX_TOKENS, STATE_LEVELS, Int8Screen,
-                                        int8_screened_residual_)
-from helpers import operator_near_its_floors, random_operator
+from aloe_kernels.screened_int8 import ADDRESS_LEVELS, INT8_SCREEN_MAX_TOKENS, STATE_LEVELS, Int8Screen, int8_screened_residual_
 
 
 def _screen(op: AloeOperator) -> Int8Screen:
