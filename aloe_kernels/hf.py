@@ -19,6 +19,9 @@ from .errors import PatchError
 from .operator import AloeOperator, weight_fingerprint
 from .reference import aloe_reference
 from .residual import aloe_residual_
+from .runtime import use_fused_kernel
+from .screened import SCREEN_MIN_EDITS
+from .screened_int8 import Int8Screen, int8_screen_supported, int8_screened_residual_
 
 # Where decoder layers live, and where the down-projection sits inside one layer.
 _LAYER_LISTS = (
@@ -115,13 +118,17 @@ class AloeDownProj(nn.Module):
     ``model.to(device)`` and stay out of the model's state dict). With
     autograd recording and a tensor requiring grad, the residual is added
     out of place through the reference math so gradients flow; otherwise it
-    is added in place by :func:`aloe_residual_`.
+    is added in place by :func:`aloe_residual_`, or, on CPU with a float32
+    operator, through the exact int8 screen (:mod:`aloe_kernels.screened_int8`)
+    when ``screen`` is True, or None and the operator holds at least
+    :data:`~aloe_kernels.screened.SCREEN_MIN_EDITS` edits.
     """
 
-    def __init__(self, base: nn.Module, op: AloeOperator, deterministic: bool = False):
+    def __init__(self, base: nn.Module, op: AloeOperator, deterministic: bool = False, screen: bool | None = None):
         super().__init__()
         self.base = base
         self.deterministic = deterministic
+        self.screen = screen
         self._op_header = {f.name: getattr(op, f.name) for f in dataclasses.fields(op) if f.name not in _TENSORS}
         for k in _TENSORS:
             self.register_buffer(k, getattr(op, k), persistent=False)
@@ -137,6 +144,14 @@ class AloeDownProj(nn.Module):
         # the buffers change rather than in forward: torch.compile(fullgraph=True) cannot trace making it.
         self._runtime_op = AloeOperator.unchecked(*(getattr(self, k) for k in _TENSORS),
                                                   eps=self._op_header["eps"], gate_eps=self._op_header["gate_eps"])
+        op = self._runtime_op
+        self._int8_screen = Int8Screen.prepare(op.addresses, op.thresholds, op.temperatures, op.gate_eps) \
+            if self._screens(op) else None
+
+    def _screens(self, op: AloeOperator) -> bool:
+        if self.screen is False or op.addresses.device.type != "cpu" or op.addresses.dtype != torch.float32:
+            return False
+        return int8_screen_supported() and (self.screen is True or op.n >= SCREEN_MIN_EDITS)
 
     def _apply(self, fn, recurse=True):  # model.to(device/dtype) replaces the buffers
         out = super()._apply(fn, recurse)
@@ -153,6 +168,9 @@ class AloeDownProj(nn.Module):
         op = self._runtime_op
         if torch.is_grad_enabled() and (h.requires_grad or any(getattr(self, k).requires_grad for k in _TENSORS)):
             return y + aloe_reference(h, op).to(y.dtype)
+        if self._int8_screen is not None and not use_fused_kernel(h):
+            return int8_screened_residual_(y, h, self._int8_screen, op.addresses, op.thresholds, op.temperatures,
+                                           op.writes, op.eps, op.gate_eps)
         return aloe_residual_(y, h, op, deterministic=self.deterministic)
 
 
@@ -169,6 +187,7 @@ def apply_aloe(
     check_fingerprint: bool = True,
     deterministic: bool = False,
     dtype: torch.dtype | None = None,
+    screen: bool | None = None,
 ) -> AloeDownProj:
     """Patch ``model`` in place so that one down-projection adds ``U g(h)``.
 
@@ -176,7 +195,10 @@ def apply_aloe(
     the weight's device. ``dtype=None`` keeps it as served: float32 on CPU
     (float64 stays), the weight's dtype elsewhere, thresholds and temperatures
     included; an explicit ``dtype`` (e.g. ``torch.bfloat16`` on CPU, to
-    reproduce a GPU's numbers) overrides that. Refuses, with a
+    reproduce a GPU's numbers) overrides that. ``screen`` picks the CPU path of a float32
+    operator: the exact int8 screen when True, the plain fp32 product when False, and when None
+    (default) the screen from :data:`~aloe_kernels.screened.SCREEN_MIN_EDITS` edits up (same
+    gates either way; the screen is several times faster at decode). Refuses, with a
     :class:`PatchError`, a layer out of range, a d/d_out mismatch, a
     fingerprint mismatch (when the operator records one and
     ``check_fingerprint``), and a model that is already patched.
@@ -207,7 +229,7 @@ def apply_aloe(
     w = site.weight()
     if dtype is None:
         dtype = op.dtype if op.dtype == torch.float64 else (torch.float32 if w.device.type == "cpu" else w.dtype)
-    wrapper = AloeDownProj(site.module, op.to(w.device, dtype), deterministic=deterministic)
+    wrapper = AloeDownProj(site.module, op.to(w.device, dtype), deterministic=deterministic, screen=screen)
     setattr(site.parent, site.attr, wrapper)
     return wrapper
 

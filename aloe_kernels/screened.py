@@ -19,7 +19,7 @@ from .operator import AloeOperator
 from .reference import normalize_rows, open_score_floor
 from .residual import sparse_residual_
 
-__all__ = ["SCREEN_MARGIN", "fast_bf16_cpu", "rescore_kept_", "screen_limit", "screened_residual_"]
+__all__ = ["SCREEN_MARGIN", "SCREEN_MIN_EDITS", "fast_bf16_cpu", "rescore_kept_", "screen_limit", "screened_residual_"]
 
 #: Margin of the screen per unit of ``max(1, |address|, |open floor|)``: each edit's bf16 limit is its
 #: open floor minus this times that scale. Worst case of |bf16 score - exact score| with |h/|h|| = 1
@@ -29,6 +29,8 @@ __all__ = ["SCREEN_MARGIN", "fast_bf16_cpu", "rescore_kept_", "screen_limit", "s
 #: Built addresses are not unit vectors (norms of about 90-170 on SmolLM2), so a margin that
 #: ignored the norm dropped gates that open (2 of 4,239 on the requests of a real operator).
 SCREEN_MARGIN = 0.0125
+#: Fewest edits for which a screen pays by default: below it the whole fp32 product is cheap.
+SCREEN_MIN_EDITS = 256
 
 
 def screen_limit(addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,

@@ -14,10 +14,13 @@ requests' own anchor states):
 - ``lowrank-r``: scores in the top ``r`` principal directions of the addresses, bounded by
   ``|address residual| * |h residual|`` (Cauchy-Schwarz on the orthogonal complement);
 - ``int8``: addresses rounded per row to 255 or 127 levels, the normalised h to 128 or 256
-  levels per state or per step, bounded by ``s_v/2 |h|_1 + s_h/2 |v_q|_1``.
+  levels per state or per step, bounded by ``s_v/2 |h|_1 + s_h/2 |v_q|_1``;
+- ``int8 served``: the served int8 screen itself (:class:`aloe_kernels.screened_int8.Int8Screen`:
+  127-level addresses, 256 levels per state, PyTorch's int8 linear), with the open pairs it drops.
 
-It also times fp32 ``h @ V^T`` against PyTorch's dynamically quantised int8 linear (fbgemm) at
-T = 1 and 32 on the operator's addresses.
+It also times fp32 ``h @ V^T`` against PyTorch's dynamically quantised int8 linear (fbgemm), and
+the whole residual on the fp32 path (``sparse_residual_``) against the int8-screened one, at
+T = 1 and 32 on the operator's states.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from aloe_kernels.operator import AloeOperator
 from aloe_kernels.reference import open_score_floor
+from aloe_kernels.residual import sparse_residual_
 from aloe_kernels.screened import SCREEN_MARGIN, screen_limit
+from aloe_kernels.screened_int8 import Int8Screen, int8_screened_residual_
 
 STEP_TOKENS = 32
 
@@ -96,10 +102,21 @@ def _screens(V: torch.Tensor, thr: torch.Tensor, temp: torch.Tensor, gate_eps: f
             return (Hq @ Vq.T + bound) > floor[None, :], ""
         name = f"int8: address {2 * v_levels + 1} levels, h {h_levels + 1} " + ("per step" if per_step else "per state")
         out[name] = int8
+    served = Int8Screen.prepare(V, thr, temp, gate_eps)
+
+    def int8_served(H):
+        keep = torch.zeros(H.shape[0], V.shape[0], dtype=torch.bool)
+        for i in range(0, H.shape[0], STEP_TOKENS):  # one call per step, as served
+            score, slack = served.bounds(H[i: i + STEP_TOKENS])
+            keep[i: i + STEP_TOKENS] = score + slack >= floor[None, :]
+        dropped = ((H @ V.T) > floor[None, :]) & ~keep
+        return keep, f"open pairs dropped {int(dropped.sum())}"
+    out["int8 served"] = int8_served
     return out
 
 
-def _timings(V: torch.Tensor, reps: int = 20) -> dict:
+def _timings(V: torch.Tensor, op: AloeOperator, states: torch.Tensor, reps: int = 20) -> dict:
+    """Milliseconds per call: the address product alone (fp32, int8), and the whole residual on each path."""
     lin = torch.nn.Linear(V.shape[1], V.shape[0], bias=False)
     lin.weight.data.copy_(V)
     q = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
@@ -113,6 +130,18 @@ def _timings(V: torch.Tensor, reps: int = 20) -> dict:
                 for _ in range(reps):
                     fn(h)
             out[f"T={T} {name} ms"] = round((time.perf_counter() - t0) / reps * 1e3, 2)
+    screen = Int8Screen.prepare(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
+    for T in (1, STEP_TOKENS):
+        paths = {"residual fp32": lambda y, h: sparse_residual_(y, h, op),
+                 "residual int8-screened": lambda y, h: int8_screened_residual_(
+                     y, h, screen, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)}
+        for name, fn in paths.items():
+            steps = [states[i: i + T] for i in range(0, min(len(states), reps * T), T)]
+            fn(torch.zeros(T, op.d_out), steps[0])
+            t0 = time.perf_counter()
+            for h in steps:
+                fn(torch.zeros(T, op.d_out), h)
+            out[f"T={T} {name} ms"] = round((time.perf_counter() - t0) / len(steps) * 1e3, 2)
     return out
 
 
@@ -126,8 +155,8 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(a.seed)
-    op = load_file(str(a.operator / "aloe_operator.safetensors"))
-    V, thr, temp = op["addresses"].float(), op["thresholds"].float(), op["temperatures"].float()
+    tensors = load_file(str(a.operator / "aloe_operator.safetensors"))
+    V, thr, temp = tensors["addresses"].float(), tensors["thresholds"].float(), tensors["temperatures"].float()
     gate_eps = json.loads((a.operator / "aloe_config.json").read_text()).get("gate_eps", 1e-3)
     ckpt = a.operator / "checkpoints" / "3_rollouts.safetensors"
     kinds = {"corpus negatives": "pool", "continuations": "continuations", "requests (anchors)": "anchors"}
@@ -146,7 +175,8 @@ def main() -> None:
             row[kind] = {"pairs_kept": pairs, "edits_kept_per_step": per_step, "note": note}
             print(f"  {name:46s} {kind:20s} {pairs:.6f} / {per_step:.4f} {note}", flush=True)
         result["screens"][name] = row
-    result["timings"] = _timings(V)
+    op = AloeOperator.load(a.operator).to(dtype=torch.float32)
+    result["timings"] = _timings(V, op, states["continuations"])
     print("  timings:", result["timings"])
     print(json.dumps(result))
 

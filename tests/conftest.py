@@ -24,6 +24,13 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from aloe_kernels.runtime import kernel_available  # noqa: E402
+
+if kernel_available():
+    # Define the kernels now, in the mode just set: a test that sets TRITON_INTERPRET=0 for the
+    # PyTorch path would otherwise define them compiled if it were the first to import them.
+    import aloe_kernels.ops  # noqa: E402, F401
+
 DATA_DIR = Path(os.environ.get("ALOE_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
 _RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm")
 

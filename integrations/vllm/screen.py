@@ -18,7 +18,7 @@ import os
 import torch
 
 from aloe_kernels.runtime import triton_interpreting
-from aloe_kernels.screened import fast_bf16_cpu, screen_limit
+from aloe_kernels.screened import SCREEN_MIN_EDITS, fast_bf16_cpu, screen_limit
 from aloe_kernels.screened_int8 import Int8Screen, int8_screen_supported
 
 __all__ = ["int8_screen_of", "refresh_int8_screen_", "refresh_screen_", "screen_buffers", "screen_kind"]
@@ -102,7 +102,7 @@ def screen_kind(n: int, device: torch.device, tp_size: int) -> str | None:
         return "int8"
     if mode != "auto":
         raise ValueError(f"ALOE_VLLM_SCREEN={mode!r}: use auto, bf16, int8 or 0")
-    if n < int(os.environ.get("ALOE_VLLM_SCREEN_MIN_N", "256")):
+    if n < int(os.environ.get("ALOE_VLLM_SCREEN_MIN_N", str(SCREEN_MIN_EDITS))):
         return None
     if fast_bf16_cpu():
         return "bf16"

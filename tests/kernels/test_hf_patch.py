@@ -7,6 +7,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from aloe_kernels import AloeOperator, PatchError, apply_aloe, remove_aloe, weight_fingerprint
 from aloe_kernels.hf import AloeDownProj, locate_down_proj
+from aloe_kernels.screened import SCREEN_MIN_EDITS
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gpt2"]
 LAYER = 1
@@ -55,8 +56,10 @@ def test_closed_gates_bit_exact_and_remove_restores(family, residual_path):
         assert torch.equal(model(**batch).logits, before)
 
 
+@pytest.mark.parametrize("screen", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_open_gates_equal_independent_residual(family, residual_path):
+def test_open_gates_equal_independent_residual(family, residual_path, screen):
+    """On the CPU path, ``screen=True`` takes the int8 screen (exact: the same gates)."""
     model = tiny_model(family)
     batch = _inputs()
     h, wh = _capture_down_proj_input(model, batch)
@@ -65,7 +68,8 @@ def test_open_gates_equal_independent_residual(family, residual_path):
     op = operator_opening_on(rows, n_extra=5, d_out=site.d_out)
     op = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")}, layer=LAYER,
                       weight_fingerprint=weight_fingerprint(site.weight()))
-    wrapper = apply_aloe(model, op)
+    wrapper = apply_aloe(model, op, screen=screen)
+    assert (wrapper._int8_screen is not None) == (screen and site.weight().device.type == "cpu")
     out = {}
     handle = wrapper.register_forward_hook(lambda m, a, o: out.update(y=o.detach().clone()))
     with torch.no_grad():
@@ -82,6 +86,23 @@ def test_open_gates_equal_independent_residual(family, residual_path):
     remove_aloe(model)
     with torch.no_grad():
         assert not torch.allclose(model(**batch).logits, logits)
+
+
+def test_cpu_screen_by_default_from_the_operator_size():
+    model = tiny_model("llama")
+    site = locate_down_proj(model, LAYER)
+    for n, screened in ((SCREEN_MIN_EDITS - 1, False), (SCREEN_MIN_EDITS, True)):
+        wrapper = apply_aloe(model, random_operator(n, site.d, site.d_out, layer=LAYER))
+        assert (wrapper._int8_screen is not None) == screened
+        remove_aloe(model)
+    wrapper = apply_aloe(model, random_operator(SCREEN_MIN_EDITS, site.d, site.d_out, layer=LAYER), screen=False)
+    assert wrapper._int8_screen is None
+    remove_aloe(model)
+    wrapper = apply_aloe(model, random_operator(8, site.d, site.d_out, layer=LAYER), screen=True)
+    assert wrapper._int8_screen is not None
+    wrapper.to(torch.float64)  # a float64 operator takes the plain path
+    assert wrapper._int8_screen is None
+    remove_aloe(model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
