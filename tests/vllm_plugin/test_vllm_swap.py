@@ -59,9 +59,10 @@ def test_inert_slots_gate_exactly_zero(gate_eps):
 
 
 def test_cpu_ops_skip_inert_slots_and_screen_stays_exact():
-    """The TP=1 ops with an ``active`` count equal the reference of the live edits alone (sparse and screened)."""
+    """The TP=1 ops with an ``active`` count equal the reference of the live edits alone (sparse, bf16- and
+    int8-screened)."""
     import aloe_vllm.ops  # noqa: F401  (registers torch.ops.aloe_vllm)
-    from aloe_vllm.screen import refresh_screen_, screen_buffers
+    from aloe_vllm.screen import int8_screen_of, refresh_int8_screen_, refresh_screen_, screen_buffers
 
     d, d_out, n, slots, T = 96, 20, 6, 300, 17
     h = torch.randn(T, d)
@@ -83,6 +84,13 @@ def test_cpu_ops_skip_inert_slots_and_screen_stays_exact():
     torch.ops.aloe_vllm.screened_residual_(y, h, bufs["aloe_addresses_lo"], bufs["aloe_screen_handle"],
                                            bufs["aloe_limit_lo"], padded.addresses, padded.thresholds,
                                            padded.temperatures, padded.writes, op.eps, op.gate_eps, active)
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    handle = torch.zeros((), dtype=torch.int64)
+    refresh_int8_screen_(handle, padded.addresses, padded.thresholds, padded.temperatures, op.gate_eps, n)
+    assert int8_screen_of(handle).n == n  # only the live rows are screened
+    y = torch.zeros(T, d_out)
+    torch.ops.aloe_vllm.int8_screened_residual_(y, h, handle, padded.addresses, padded.thresholds,
+                                                padded.temperatures, padded.writes, op.eps, op.gate_eps, active)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     # No live edits: nothing is added.
     y = torch.zeros(T, d_out)
@@ -154,7 +162,9 @@ def test_offline_swap_tp1_and_tp2(tiny_swap, tmp_path):
     run = {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TOKENS, "eager": True,
            "swaps": [str(t["root"] / "B"), str(t["root"] / "A")]}
     want = [t["hf"]["A"], t["hf"]["B"], t["hf"]["A"]]
-    (tp1,) = run_vllm_generate([{**run, "env": {"ALOE_VLLM_SCREEN": "0"}}], env=vllm_env(1))
+    tp1, tp1_int8 = run_vllm_generate([{**run, "env": {"ALOE_VLLM_SCREEN": "0"}},
+                                       {**run, "env": {"ALOE_VLLM_SCREEN": "int8"}}], env=vllm_env(1))
     assert tp1 == want
+    assert tp1_int8 == want  # the int8 screen is prepared again for each operator swapped in
     (tp2,) = run_vllm_generate([run], tp=2, env=vllm_env(2))
     assert tp2 == tp1
