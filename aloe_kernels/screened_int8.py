@@ -19,7 +19,7 @@ times faster, and bounds its error per (token, edit) pair, so an edit it drops c
 An edit is kept when some token's screen score plus that bound reaches the edit's open floor; the kept
 edits are scored again exactly (:func:`aloe_kernels.screened.rescore_kept_`), so the result equals
 the fp32 path's. On the 7,819-edit CounterFact operator about 5% of edits survive a 32-token step of
-held-out states (docs/results.md, "Serving overhead").
+held-out states (docs/results.md, "The whole stream").
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ADDRESS_LEVELS = 63
 #: Levels of a state's [min, max] range above its minimum (8 bits).
 STATE_LEVELS = 255
 #: Most rows screened in one call: past this many tokens the union of the edits some token may open
-#: is most of them, and the plain fp32 path is faster (docs/results.md, "Serving overhead").
+#: is most of them, and the plain fp32 path is faster (docs/results.md, "The whole stream").
 INT8_SCREEN_MAX_TOKENS = 64
 #: Relative float32 rounding allowed for, per unit of ``(|lo| + hi - lo) * |v_q|_1``: the screen score
 #: is a few float32 products of exact integers (about 1e-7 each); this is 200 times that.
@@ -50,9 +50,10 @@ FLOAT_MARGIN = 2e-5
 
 
 def int8_screen_supported() -> bool:
-    """Whether this PyTorch has the int8 dynamic linear on CPU (fbgemm, the x86 quantized engine)."""
-    engines = getattr(torch.backends.quantized, "supported_engines", [])
-    return ("fbgemm" in engines or "x86" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+    """Whether this PyTorch runs the int8 dynamic linear on CPU with fbgemm (the x86 and fbgemm quantized
+    engines), whose 32-bit sums the bound relies on."""
+    engine = getattr(torch.backends.quantized, "engine", "")
+    return engine in ("x86", "fbgemm") and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
 @dataclass
