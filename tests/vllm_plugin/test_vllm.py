@@ -116,7 +116,7 @@ def test_tp_split_math_matches_reference(tp):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_screened_cpu_path_is_exact(dtype):
-    """The bf16 screen never drops an edit that opens: same result as the fp32 reference."""
+    """The bf16 screen never drops an edit that opens: same result as float64, within fp32's error."""
     import aloe_vllm.ops  # noqa: F401  (registers aloe_vllm::screened_residual_, also when this test runs alone)
     from aloe_kernels.screened import screen_limit, screened_residual_
     from aloe_vllm.screen import refresh_screen_, screen_buffers
@@ -136,7 +136,8 @@ def test_screened_cpu_path_is_exact(dtype):
     floor_shift = math.log(op.gate_eps / (1 - op.gate_eps)) / op.temperatures[: n // 2]
     op.thresholds[: n // 2] = exact + (torch.rand(n // 2, generator=g) - 0.5) * 2.4 - floor_shift
     hx = h.to(dtype)
-    want = aloe_reference(hx.float(), op)
+    # float64: the fp32 reference itself is 9.5e-5 off here (norm-120 scores), the screened path 9.2e-5
+    want = aloe_reference(hx.double(), op.to(dtype=torch.float64)).float()
     opened = (want.abs().sum(1) > 0).sum()
     assert opened > 5
     y = torch.zeros(T, d_out, dtype=dtype)
@@ -144,7 +145,7 @@ def test_screened_cpu_path_is_exact(dtype):
     lim = screen_limit(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
     screened_residual_(y, hx, a_lo, lim, op.addresses, op.thresholds, op.temperatures, op.writes,
                        op.eps, op.gate_eps)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
     # through the custom op, with the prepacked oneDNN GEMM (vLLM's CPU kernel) when available
     bufs = screen_buffers(n, op.addresses)
