@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from aloe_kernels.operator import AloeOperator
 from aloe_kernels.reference import open_score_floor
@@ -57,8 +56,9 @@ def _kept(keep: torch.Tensor) -> tuple[float, float]:
     return float(keep.float().mean()), float(steps.any(dim=1).float().mean())
 
 
-def _screens(V: torch.Tensor, thr: torch.Tensor, temp: torch.Tensor, gate_eps: float) -> dict:
-    """name -> function of normalised states (S, d) giving (keep (S, n) bool, note)."""
+def _screens(V: torch.Tensor, thr: torch.Tensor, temp: torch.Tensor, gate_eps: float, served: Int8Screen) -> dict:
+    """name -> function of normalised states (S, d) giving (keep (S, n) bool, note); ``served`` is the
+    int8 screen prepared for these addresses."""
     floor = open_score_floor(thr, temp, gate_eps)
     out = {}
 
@@ -102,8 +102,6 @@ def _screens(V: torch.Tensor, thr: torch.Tensor, temp: torch.Tensor, gate_eps: f
             return (Hq @ Vq.T + bound) > floor[None, :], ""
         name = f"int8: address {2 * v_levels + 1} levels, h {h_levels + 1} " + ("per step" if per_step else "per state")
         out[name] = int8
-    served = Int8Screen.prepare(V, thr, temp, gate_eps)
-
     def int8_served(H):
         keep = torch.zeros(H.shape[0], V.shape[0], dtype=torch.bool)
         for i in range(0, H.shape[0], STEP_TOKENS):  # one call per step, as served
@@ -115,8 +113,9 @@ def _screens(V: torch.Tensor, thr: torch.Tensor, temp: torch.Tensor, gate_eps: f
     return out
 
 
-def _timings(V: torch.Tensor, op: AloeOperator, states: torch.Tensor, reps: int = 20) -> dict:
+def _timings(op: AloeOperator, screen: Int8Screen, states: torch.Tensor, reps: int = 20) -> dict:
     """Milliseconds per call: the address product alone (fp32, int8), and the whole residual on each path."""
+    V = op.addresses
     lin = torch.nn.Linear(V.shape[1], V.shape[0], bias=False)
     lin.weight.data.copy_(V)
     q = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
@@ -130,7 +129,6 @@ def _timings(V: torch.Tensor, op: AloeOperator, states: torch.Tensor, reps: int 
                 for _ in range(reps):
                     fn(h)
             out[f"T={T} {name} ms"] = round((time.perf_counter() - t0) / reps * 1e3, 2)
-    screen = Int8Screen.prepare(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
     for T in (1, STEP_TOKENS):
         paths = {"residual fp32": lambda y, h: sparse_residual_(y, h, op),
                  "residual int8-screened": lambda y, h: int8_screened_residual_(
@@ -155,9 +153,9 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(a.seed)
-    tensors = load_file(str(a.operator / "aloe_operator.safetensors"))
-    V, thr, temp = tensors["addresses"].float(), tensors["thresholds"].float(), tensors["temperatures"].float()
-    gate_eps = json.loads((a.operator / "aloe_config.json").read_text()).get("gate_eps", 1e-3)
+    op = AloeOperator.load(a.operator).to(dtype=torch.float32)
+    V, thr, temp, gate_eps = op.addresses, op.thresholds, op.temperatures, op.gate_eps
+    served = Int8Screen.prepare(V, thr, temp, gate_eps)
     ckpt = a.operator / "checkpoints" / "3_rollouts.safetensors"
     kinds = {"corpus negatives": "pool", "continuations": "continuations", "requests (anchors)": "anchors"}
     k = a.states // STEP_TOKENS * STEP_TOKENS
@@ -167,7 +165,7 @@ def main() -> None:
               [round(float(x), 1) for x in (norms.min(), norms.median(), norms.max())], "screens": {}}
     print(f"{a.operator}: n={V.shape[0]}, address norms {result['address_norm_min_median_max']}")
     print(f"  {'screen':46s} {'states':20s} share of pairs kept / of edits kept per step of {STEP_TOKENS}")
-    for name, screen in _screens(V, thr, temp, gate_eps).items():
+    for name, screen in _screens(V, thr, temp, gate_eps, served).items():
         row = {}
         for kind, H in states.items():
             keep, note = screen(H)
@@ -175,8 +173,7 @@ def main() -> None:
             row[kind] = {"pairs_kept": pairs, "edits_kept_per_step": per_step, "note": note}
             print(f"  {name:46s} {kind:20s} {pairs:.6f} / {per_step:.4f} {note}", flush=True)
         result["screens"][name] = row
-    op = AloeOperator.load(a.operator).to(dtype=torch.float32)
-    result["timings"] = _timings(V, op, states["continuations"])
+    result["timings"] = _timings(op, served, states["continuations"])
     print("  timings:", result["timings"])
     print(json.dumps(result))
 

@@ -107,9 +107,8 @@ class AloeRowParallelLinear(RowParallelLinear):
         self.aloe_loaded_at = time.time()
         self.aloe_screen = screen_kind(self.aloe_n, self.aloe_addresses.device, self.tp_size)
         if self.aloe_screen is not None:
-            for name, buf in screen_buffers(self.aloe_n, self.aloe_addresses).items():
-                if self.aloe_screen == "bf16" or name == "aloe_screen_handle":
-                    self.register_buffer(name, buf, persistent=False)
+            for name, buf in screen_buffers(self.aloe_n, self.aloe_addresses, self.aloe_screen).items():
+                self.register_buffer(name, buf, persistent=False)
             self._aloe_refresh_screen()
 
     def _aloe_refresh_screen(self) -> None:

@@ -42,20 +42,21 @@ def _onednn(device: torch.device):
     return vllm_ops if vllm_ops._supports_onednn else None
 
 
-def screen_buffers(slots: int, addresses: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Fixed-shape buffers of the screened path for a layer of ``slots`` slots (filled by :func:`refresh_screen_`).
+def screen_buffers(slots: int, addresses: torch.Tensor, kind: str = "bf16") -> dict[str, torch.Tensor]:
+    """Fixed-shape buffers of a screened path (``kind``, :func:`screen_kind`) for a layer of ``slots`` slots.
 
-    ``aloe_addresses_lo``: (slots, d) bf16 addresses; ``aloe_screen_handle``: the handle of the
-    prepacked oneDNN matrix of the live rows (0-dim int64; 0 = none, screen with
-    ``aloe_addresses_lo``); ``aloe_limit_lo``: (slots,) bf16 screen limits (+inf for inert slots,
-    which never pass).
+    Both paths have ``aloe_screen_handle`` (0-dim int64): for bf16 the handle of the prepacked
+    oneDNN matrix of the live rows (0 = none, screen with ``aloe_addresses_lo``), for int8 the key
+    of the layer's int8 screen (:func:`refresh_int8_screen_`). The bf16 path also has
+    ``aloe_addresses_lo``: (slots, d) bf16 addresses, and ``aloe_limit_lo``: (slots,) bf16 screen
+    limits (+inf for inert slots, which never pass), filled by :func:`refresh_screen_`.
     """
     d, dev = addresses.shape[1], addresses.device
-    return {
-        "aloe_addresses_lo": torch.zeros((slots, d), dtype=torch.bfloat16, device=dev),
-        "aloe_screen_handle": torch.zeros((), dtype=torch.int64, device=dev),
-        "aloe_limit_lo": torch.full((slots,), float("inf"), dtype=torch.bfloat16, device=dev),
-    }
+    bufs = {"aloe_screen_handle": torch.zeros((), dtype=torch.int64, device=dev)}
+    if kind == "bf16":
+        bufs["aloe_addresses_lo"] = torch.zeros((slots, d), dtype=torch.bfloat16, device=dev)
+        bufs["aloe_limit_lo"] = torch.full((slots,), float("inf"), dtype=torch.bfloat16, device=dev)
+    return bufs
 
 
 def refresh_screen_(addresses_lo: torch.Tensor, handle: torch.Tensor, limit_lo: torch.Tensor,
