@@ -3,9 +3,10 @@
 Takes a stream's edit-negative sequences in the order stage 3 runs them (sorted, so that a chunk
 holds sequences with a common beginning), the first ``--sequences`` of them (one chunk is
 ``aloe_build.chunked.CHUNK_SEQUENCES``), and collects their states with a plain pass per sequence,
-with each shared prefix run once, and with shared prefixes under bfloat16 autocast (the build's
-``negatives_dtype="bfloat16"``); prints each time, its ratio to the plain pass and how far its unit
-states lie from the plain ones.
+with each shared prefix run once, with shared prefixes under bfloat16 autocast (the build's
+``negatives_dtype="bfloat16"``) and, on request, through a copy of the model whose linear layers run
+PyTorch's dynamic int8 kernels (``shared-int8``, no build option: docs/results.md); prints each time,
+its ratio to the plain pass and how far its unit states lie from the plain ones.
 
     python -m benchmarks.shared_prefix_cost --edits $DATA/counterfact/counterfact-val.json --limit 839
 """
@@ -17,6 +18,7 @@ import random
 import time
 
 import torch
+from torch import nn
 
 from aloe_build.config import BuildConfig
 from aloe_build.corpus import load_corpus
@@ -27,6 +29,18 @@ from aloe_build.rollouts import edit_negative_sequences, token_sequences
 from aloe_build.shared_prefix import collect_states_shared, prefix_groups
 from aloe_build.slots import make_slots
 from aloe_build.states import collect_states
+from aloe_kernels.hf import locate_down_proj
+
+
+def int8_copy(model: nn.Module, layer: int) -> nn.Module:
+    """A copy of ``model`` whose linear layers run dynamic int8 products (weights per output channel,
+    activations per tensor), except the edited down-projection, whose input is the state collected."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    down = locate_down_proj(model, layer).module
+    spec = {name: per_channel_dynamic_qconfig for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not down}
+    return quantize_dynamic(model, spec, inplace=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sequences", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, help="sequences per forward pass")
     ap.add_argument("--ways", default="plain,shared,shared-bfloat16",
-                    help="comma-separated, of plain, shared, shared-bfloat16 (the first is the reference)")
+                    help="comma-separated, of plain, shared, shared-bfloat16, shared-int8 (the first is the reference)")
     args = ap.parse_args(argv)
     cfg = BuildConfig()
     model, tok = load_model(args.model)
@@ -56,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({after_sharing / tokens:.2f}) once each shared prefix runs once; layer {layer}, "
           f"{torch.get_num_threads()} threads")
     ways = {"plain": (collect_states, "float32"), "shared": (collect_states_shared, "float32"),
-            "shared-bfloat16": (collect_states_shared, "bfloat16")}
+            "shared-bfloat16": (collect_states_shared, "bfloat16"), "shared-int8": (collect_states_shared, "int8")}
     chosen = args.ways.split(",")
     unknown = [w for w in chosen if w not in ways]
     if unknown:
@@ -64,9 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     reference = None
     for name in chosen:
         fn, precision = ways[name]
+        runner = int8_copy(model, layer) if precision == "int8" else model
         t0 = time.perf_counter()
-        with in_precision(model, precision):
-            got = fn(model, tok, spec, layer, pos, args.batch_size)
+        with in_precision(model, "float32" if precision == "int8" else precision):
+            got = fn(runner, tok, spec, layer, pos, args.batch_size)
         seconds = time.perf_counter() - t0
         if reference is None:
             reference = (seconds, got.states)
