@@ -99,3 +99,32 @@ def chunked_token_lists(parts: PartStore | None, name: str, n: int,
         ends = piece["lengths"].cumsum(0).tolist()
         out += [flat[(ends[i - 1] if i else 0): e] for i, e in enumerate(ends)]
     return out
+
+
+def chunked_generations(parts: PartStore | None, name: str, n: int,
+                        compute: Callable[[int, int, Tick], tuple[list[list[int]], list[torch.Tensor]]], desc: str,
+                        d: int) -> tuple[list[list[int]], StateBatch]:
+    """``compute(lo, hi, tick)`` (token lists of items lo..hi-1 and a block of ``d``-dimensional states
+    for each) chunk by chunk, each chunk saved; returns the token lists and the states of all items
+    in order."""
+
+    def packed(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
+        lists, states = compute(lo, hi, tick)
+        return {"tokens": torch.tensor([t for xs in lists for t in xs], dtype=torch.long),
+                "lengths": torch.tensor([len(xs) for xs in lists], dtype=torch.long),
+                "states": torch.cat(states) if states else torch.zeros(0, d),
+                "rows": torch.tensor([len(x) for x in states], dtype=torch.long)}
+
+    out: list[list[int]] = []
+    blocks: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []
+    for _lo, _hi, piece in _pieces(parts, name, n, desc, packed):
+        flat = piece["tokens"].tolist()
+        ends = piece["lengths"].cumsum(0).tolist()
+        out += [flat[(ends[i - 1] if i else 0): e] for i, e in enumerate(ends)]
+        blocks.append(piece["states"])
+        rows.append(piece["rows"])
+    offsets = torch.zeros(n + 1, dtype=torch.long)
+    if rows:
+        offsets[1:] = torch.cat(rows).cumsum(0)
+    return out, StateBatch(torch.cat(blocks) if blocks else torch.zeros(0, d), offsets)

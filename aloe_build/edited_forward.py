@@ -38,9 +38,9 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
-from .forward import in_precision, model_device
+from .forward import StopForward, in_precision, model_device
 from .shared_prefix import cache_layer_kv, left_padded_cache
-from .states import _StopForward, capture_down_proj_input, normalize_rows, run_captured
+from .states import capture_down_proj_input, normalize_rows, run_captured
 from .tokens import batch_inputs, left_pad, pad_id
 
 # Largest relative difference between the upper-layer pass and a full forward that
@@ -99,7 +99,7 @@ class EditedForward:
 
         def take_out(module, args, output):
             out["hidden"] = _hidden_of(output).detach()
-            raise _StopForward  # the layers above are not needed here
+            raise StopForward  # the layers above are not needed here
 
         order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))  # similar lengths share a batch
         handle = self.layers[self.layer].register_forward_hook(take_out)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
+from aloe_kernels.hf import locate_down_proj
+from aloe_kernels.reference import normalize_rows
 from aloe_kernels.screened import fast_bf16_cpu
 
 from .tokens import left_pad
@@ -139,8 +141,6 @@ def teacher_forced(
     order = sorted(range(n), key=lambda i: (len(seqs[i][0]) + len(seqs[i][1]), i))
     slot_site = None
     if editor is not None and editor.has_slots:
-        from aloe_kernels.hf import locate_down_proj
-
         slot_site = locate_down_proj(model, editor.layer).module
     head = model.get_output_embeddings()
     state: dict[str, Any] = {}
@@ -214,6 +214,10 @@ def _add_gates(r: TFResult, acts: torch.Tensor, last: int, first: int) -> None:
         r.prompt_max_gate, r.prompt_max_slot = 0.0, None
 
 
+class StopForward(Exception):
+    """Raised by a capture hook to skip the layers above the edited one."""
+
+
 def greedy_generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -232,44 +236,111 @@ def greedy_generate(
     (the caller decides what a generated EOS means); each batch stops after
     its longest requested length. ``tick`` as in :func:`teacher_forced`.
     """
+    return _generate(model, prompts, lengths, pad_id, batch_size, progress, desc, tick)[0]
+
+
+def generate_with_states(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    lengths: Sequence[int] | int,
+    layer: int,
+    *,
+    starts: Sequence[int] | None = None,
+    pad_id: int,
+    batch_size: int = 32,
+    tick: Tick | None = None,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """:func:`greedy_generate`, and the normalized inputs of layer ``layer``'s down-projection
+    along each prompt and its generation, from position ``starts[i]`` (default: the first
+    generated token) to the last generated token: ``(tokens, states)``, ``states[i]`` of shape
+    ``(len(prompts[i]) + lengths[i] - starts[i], d)``.
+
+    The states are those the generation passes through anyway (a state depends only on the tokens
+    up to its own), so no second pass over the generated sequences is needed; the last generated
+    token is fed once more, up to the edited layer only."""
+    starts = [len(p) for p in prompts] if starts is None else [int(x) for x in starts]
+    if len(starts) != len(prompts) or any(not 0 <= s <= len(p) for s, p in zip(starts, prompts)):
+        raise ValueError("starts must give, for each prompt, a position within it or just past its end")
+    return _generate(model, prompts, lengths, pad_id, batch_size, False, "generate", tick, (layer, starts))
+
+
+def _generate(model, prompts, lengths, pad_id: int, batch_size: int, progress: bool, desc: str, tick: Tick | None,
+              capture: tuple[int, list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy generation; with ``capture = (layer, starts)`` also the states of :func:`generate_with_states`."""
     n = len(prompts)
     ks = [int(lengths)] * n if isinstance(lengths, int) else [int(x) for x in lengths]
+    if len(ks) != n or any(k < 0 for k in ks):
+        raise ValueError("lengths must give a number >= 0 of tokens for each prompt")
     out: list[list[int]] = [[] for _ in range(n)]
+    states: list[torch.Tensor] = []
     if n == 0:
-        return out
+        return out, states
     device = model_device(model)
     order = sorted(range(n), key=lambda i: (ks[i], len(prompts[i]), i))
+    box: dict[str, Any] = {}
+    handle = None
+    if capture is not None:
+        site = locate_down_proj(model, capture[0])
+        states = [torch.empty(0, site.d)] * n
+
+        def hook(_m, args):
+            box["h"] = args[0].detach()
+            if box.get("stop"):
+                raise StopForward
+
+        handle = site.module.register_forward_pre_hook(hook)
     bar = progress_bar(n, desc, progress)
     try:
         with torch.inference_mode():
             for batch in batches(order, batch_size):
                 kmax = max(ks[i] for i in batch)
-                if kmax <= 0:
+                if kmax <= 0 and capture is None:
                     bar.update(len(batch))
                     continue
                 ids, mask, pos = left_pad([prompts[i] for i in batch], pad_id, device)
-                res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-                nxt = res.logits[:, -1].argmax(-1)
-                steps = [nxt]
-                past = res.past_key_values
-                pos = pos[:, -1:]
-                for _ in range(1, kmax):
-                    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-                    pos = pos + 1
-                    res = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=past,
-                                use_cache=True, logits_to_keep=1)
-                    past = res.past_key_values
+                box["stop"] = kmax <= 0  # states of the prompts only: the logits are not needed
+                res = _run(model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                           logits_to_keep=1)
+                captured = [box.get("h")]  # (B, P, d), then (B, 1, d) per fed token
+                steps: list[torch.Tensor] = []
+                for step in range(kmax):
                     nxt = res.logits[:, -1].argmax(-1)
                     steps.append(nxt)
-                gen = torch.stack(steps, dim=1).cpu()
-                for b, i in enumerate(batch):
-                    out[i] = [int(x) for x in gen[b, : ks[i]].tolist()]
+                    if step + 1 == kmax and capture is None:
+                        break
+                    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+                    pos = pos[:, -1:] + 1
+                    # the last generated token is fed only for its state, up to the edited layer
+                    box["stop"] = step + 1 == kmax
+                    res = _run(model, input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                               past_key_values=res.past_key_values, use_cache=True, logits_to_keep=1)
+                    captured.append(box.get("h"))
+                if steps:
+                    gen = torch.stack(steps, dim=1).cpu()
+                    for b, i in enumerate(batch):
+                        out[i] = [int(x) for x in gen[b, : ks[i]].tolist()]
+                if capture is not None:
+                    h = torch.cat(captured, dim=1)  # (B, P + kmax, d), the prompts right-aligned in P
+                    width = ids.shape[1]
+                    for b, i in enumerate(batch):
+                        lo = width - len(prompts[i]) + capture[1][i]
+                        states[i] = normalize_rows(h[b, lo: width + ks[i]]).cpu()
                 bar.update(len(batch))
                 if tick is not None:
                     tick(len(batch))
     finally:
         bar.close()
-    return out
+        if handle is not None:
+            handle.remove()
+    return out, states
+
+
+def _run(model: nn.Module, **inputs):
+    """A forward pass that a capture hook may cut short (:class:`StopForward`): then returns None."""
+    try:
+        return model(**inputs)
+    except StopForward:
+        return None
 
 
 # =============================================================================

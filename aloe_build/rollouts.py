@@ -21,13 +21,15 @@ from typing import Sequence
 
 import torch
 
+from aloe_kernels.hf import locate_down_proj
+
 from .checkpoints import PartStore, save_tensors_atomically
-from .chunked import chunked_states, chunked_token_lists
+from .chunked import chunked_generations, chunked_states, chunked_token_lists
 from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
-from .forward import Tick, greedy_generate, in_precision, teacher_forced
-from .shared_prefix import collect_states_shared
+from .forward import Tick, generate_with_states, in_precision, teacher_forced
 from .slots import Slot
+from .states import StateBatch
 from .system_prompts import GENERIC_SYSTEM_PROMPTS
 from .tokens import chat_answer, chat_header_length, chat_prompt, chat_template_key, encode_continuation, encode_prompt, pad_id
 
@@ -119,20 +121,32 @@ def chat_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple
             for i, s in enumerate(slots)]
 
 
-def continued(model, tokenizer, prompts: list[list[int]], tokens: int, batch_size: int, desc: str,
-              parts: PartStore | None = None, name: str = "continuations") -> list[list[int]]:
+#: Generation batches hold this many times ``batch_size`` prompts: a greedy step costs little more
+#: for more rows, as its time goes to per-step overhead (docs/results.md, "Continuations").
+GENERATION_BATCH_MULTIPLE = 4
+
+
+def continued(model, tokenizer, prompts: list[list[int]], tokens: int, layer: int, batch_size: int, desc: str,
+              parts: PartStore | None = None, name: str = "continuations", starts: Sequence[int] | None = None
+              ) -> tuple[list[list[int]], StateBatch]:
     """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
-    cut before an end-of-sequence token (a server stops there and never feeds it back)."""
-    if tokens <= 0 or not prompts:
-        return [list(p) for p in prompts]
+    cut before an end-of-sequence token (a server stops there and never feeds it back), and the
+    normalized states of each continued sequence from position ``starts[i]`` (default: its first
+    continuation token) to its end, taken while generating (:func:`generate_with_states`), in
+    batches of ``batch_size * GENERATION_BATCH_MULTIPLE`` prompts."""
     eos = tokenizer.eos_token_id
 
-    def generate(lo: int, hi: int, tick: Tick) -> list[list[int]]:
-        return greedy_generate(model, prompts[lo:hi], tokens, pad_id=pad_id(tokenizer), batch_size=batch_size,
-                               tick=tick)
+    def generate(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
+        gens, states = generate_with_states(model, prompts[lo:hi], max(tokens, 0), layer,
+                                            starts=None if starts is None else starts[lo:hi],
+                                            pad_id=pad_id(tokenizer), batch_size=batch_size * GENERATION_BATCH_MULTIPLE,
+                                            tick=tick)
+        kept = [g[: g.index(eos)] if eos in g else g for g in gens]
+        return kept, [st[: len(st) - (len(g) - len(k))] for st, g, k in zip(states, gens, kept)]
 
-    gens = chunked_token_lists(parts, name, len(prompts), generate, desc)
-    return [list(p) + (g[: g.index(eos)] if eos in g else g) for p, g in zip(prompts, gens)]
+    gens, got = chunked_generations(parts, f"{name}-with-states", len(prompts), generate, desc,
+                                    locate_down_proj(model, layer).d)
+    return [list(p) + g for p, g in zip(prompts, gens)], got
 
 
 def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[list[int]], cap: int,
@@ -191,10 +205,9 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
     build. With chat positives, the chat-form pool (:func:`shared_chat_negatives`) is added."""
     def compute() -> torch.Tensor:
         texts = shared_negative_texts(corpus, cfg)
-        seqs = continued(model, tokenizer, [encode_prompt(tokenizer, t) for t in texts],
-                         cfg.negative_continuation_tokens, cfg.batch_size, "stage 3: continuations of shared negatives")
-        return collect_states_shared(model, tokenizer, seqs, layer, None, cfg.batch_size,
-                                     "stage 3: shared negatives").states
+        prompts = [encode_prompt(tokenizer, t) for t in texts]
+        return continued(model, tokenizer, prompts, cfg.negative_continuation_tokens, layer, cfg.batch_size,
+                         "stage 3: shared negatives and their continuations", starts=[0] * len(prompts))[1].states
 
     pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}"
                                  ".safetensors", compute)
@@ -223,14 +236,13 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
         again = [texts[k % len(texts)] for k in range(len(generic) * QUESTIONS_PER_GENERIC_SYSTEM)] if texts else []
         texts += again
         asked_after += [generic[k // QUESTIONS_PER_GENERIC_SYSTEM] for k in range(len(again))]
-        seqs = continued(model, tokenizer, [chat_prompt(tokenizer, t, s) for t, s in zip(texts, asked_after)],
-                         cfg.negatives_chat_answer_tokens, cfg.batch_size, "stage 3: answers of chat negatives")
         heads = {s: chat_header_length(tokenizer, s) for s in (*systems, *generic)}
         # each system prompt's header once (its first sequence whole), the rest after the header
         first = {s: asked_after.index(s) for s in heads if s in asked_after}
-        positions = [range(0 if first[s] == k else heads[s], len(q)) for k, (q, s) in enumerate(zip(seqs, asked_after))]
-        return collect_states_shared(model, tokenizer, seqs, layer, positions, cfg.batch_size,
-                                     "stage 3: chat negatives").states
+        starts = [0 if first[s] == k else heads[s] for k, s in enumerate(asked_after)]
+        prompts = [chat_prompt(tokenizer, t, s) for t, s in zip(texts, asked_after)]
+        return continued(model, tokenizer, prompts, cfg.negatives_chat_answer_tokens, layer, cfg.batch_size,
+                         "stage 3: chat negatives and their answers", starts=starts)[1].states
 
     name = (f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negatives_chat_answer_tokens}-s{len(generic)}-"
             f"{chat_template_key(tokenizer, (*cfg.chat_systems, *generic))}")
@@ -355,9 +367,8 @@ def answer_states(model, tokenizer, prompts: list[list[int]], owner: list[int], 
                   batch_size: int, parts: PartStore | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """States along the unedited model's greedy continuation (up to ``tokens``) of each prompt, and
     the slot each continuation belongs to (``owner`` of its prompt); ``name`` keys the saved chunks."""
-    seqs = continued(model, tokenizer, prompts, tokens, batch_size, f"stage 3: {name} of requests", parts, name)
-    got = chunked_states(parts, f"{name}_negatives", model, tokenizer, seqs, layer,
-                         [range(len(p), len(c)) for p, c in zip(prompts, seqs)], batch_size, f"stage 3: {name} negatives")
+    _, got = continued(model, tokenizer, prompts, tokens, layer, batch_size, f"stage 3: {name} of requests and their states",
+                       parts, name)
     return got.states, torch.tensor(owner, dtype=torch.long)[got.owner()]
 
 

@@ -20,12 +20,8 @@ from tqdm.auto import tqdm
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.reference import normalize_rows
 
-from .forward import Tick, model_device
+from .forward import StopForward, Tick, model_device
 from .tokens import batch_inputs, encode_prompt, pad_id
-
-
-class _StopForward(Exception):
-    """Raised by the capture hook to skip the layers above the edited one."""
 
 
 @contextlib.contextmanager
@@ -40,7 +36,7 @@ def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True) -> 
     def hook(module, args):
         box["h"] = args[0].detach()
         if stop:
-            raise _StopForward
+            raise StopForward
 
     handle = site.module.register_forward_pre_hook(hook)
     try:
@@ -57,7 +53,7 @@ def run_captured(model: nn.Module, box: dict, cache=None, **inputs) -> torch.Ten
     try:
         with torch.no_grad():
             model(**inputs, past_key_values=cache, use_cache=cache is not None)
-    except _StopForward:
+    except StopForward:
         pass
     if "h" not in box:
         raise RuntimeError("the down-projection of the edited layer was not reached in the forward pass")

@@ -120,3 +120,25 @@ def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_pat
     chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, 3, "test")
     bar = _RecordingBar.made[-1]
     assert bar.initial == 16 and sum(bar.updates) == 3
+
+
+def test_chunked_generations_resume_with_the_same_tokens_and_states(tmp_path, monkeypatch):
+    """Continuations with their states in saved chunks: a lost chunk is computed again, the others
+    are read back, and tokens and states equal one uninterrupted call's."""
+    from aloe_build.rollouts import continued
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(1, 7, (7,), generator=g)]
+    starts = [0, 1, len(prompts[2]), 0, 0, 1, 0]
+    monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 3)
+    whole, states = continued(model, tok, prompts, 4, 1, 2, "test", starts=starts)
+    parts = PartStore(tmp_path, "k")
+    continued(model, tok, prompts, 4, 1, 2, "test", parts, "c", starts=starts)
+    assert sorted(p.name for p in tmp_path.glob("c-*")) == [f"c-with-states-{k}.safetensors" for k in range(3)]
+    (tmp_path / "c-with-states-1.safetensors").unlink()
+    again, states_again = continued(model, tok, prompts, 4, 1, 2, "test", parts, "c", starts=starts)
+    assert again == whole
+    assert torch.equal(states_again.offsets, states.offsets)
+    assert torch.equal(states_again.states, states.states)
+    assert states.offsets.diff().tolist() == [len(c) - s for c, s in zip(whole, starts)]

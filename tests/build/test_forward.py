@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
-from aloe_build.forward import greedy_generate, teacher_forced
+from aloe_build.forward import generate_with_states, greedy_generate, teacher_forced
 from aloe_build.tokens import encode_continuation, pad_id
 
 
@@ -33,6 +33,41 @@ def test_greedy_generate_matches_hf_generate(tiny):
     mine = greedy_generate(model, [tok(p)["input_ids"] for p in prompts], [4, 2, 3], pad_id=pad_id(tok),
                            batch_size=2)
     assert mine == [ref[0], ref[1][:2], ref[2][:3]]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 8])
+def test_generate_with_states_matches_generate_then_a_pass(tiny, batch_size):
+    """The states captured while generating are those of one float64 pass over the prompt and its
+    generation, from each start to the last generated token; the tokens are greedy_generate's."""
+    import copy
+
+    from aloe_kernels.hf import locate_down_proj
+
+    model, tok = tiny
+    layer = 1
+    prompts = [tok(p)["input_ids"] for p in ("The Eiffel Tower is located in the city of", "the capital of Italy is",
+                                              "Toko", "What is the product made by UniFirst ?")]
+    lengths, starts = [4, 0, 3, 1], [len(prompts[0]), 2, 0, len(prompts[3]) - 1]
+    tokens, states = generate_with_states(model, prompts, lengths, layer, starts=starts, pad_id=pad_id(tok),
+                                          batch_size=batch_size)
+    assert tokens == greedy_generate(model, prompts, lengths, pad_id=pad_id(tok), batch_size=batch_size)
+    ref_model = copy.deepcopy(model).double()
+    site = locate_down_proj(ref_model, layer).module
+    for p, g, s, got in zip(prompts, tokens, starts, states):
+        seen = {}
+        handle = site.register_forward_pre_hook(lambda _m, args: seen.update(h=args[0]))
+        with torch.no_grad():
+            ref_model(input_ids=torch.tensor([list(p) + list(g)]))
+        handle.remove()
+        want = seen["h"][0, s:]
+        want = want / want.norm(dim=-1, keepdim=True)
+        assert got.dtype == torch.float32 and got.shape == (len(p) + len(g) - s, want.shape[-1])
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    # by default the states of the generated tokens only
+    _, default = generate_with_states(model, prompts[:1], 2, layer, pad_id=pad_id(tok))
+    torch.testing.assert_close(default[0], states[0][:2])
+    with pytest.raises(ValueError, match="starts"):
+        generate_with_states(model, prompts[:1], 2, layer, starts=[len(prompts[0]) + 1], pad_id=pad_id(tok))
 
 
 def test_teacher_forced_matches_single_forward(tiny):

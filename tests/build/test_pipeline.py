@@ -296,14 +296,15 @@ def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeyp
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:2]
     made = []
-    original = rollouts.collect_states_shared
+    original = rollouts.continued
+    pool_desc = "stage 3: shared negatives and their continuations"
 
     def counting(*args, **kw):
-        if kw.get("desc") == "stage 3: shared negatives" or (len(args) > 6 and args[6] == "stage 3: shared negatives"):
+        if kw.get("desc") == pool_desc or (len(args) > 6 and args[6] == pool_desc):
             made.append(1)
         return original(*args, **kw)
 
-    monkeypatch.setattr(rollouts, "collect_states_shared", counting)
+    monkeypatch.setattr(rollouts, "continued", counting)
     for i, kw in enumerate([dict(encoder_steps=20), dict(encoder_steps=21, encoder_margin=0.3), dict(encoder_records=30)]):
         build_operator(model, tok, edits, _tiny_cfg(tmp_path, **kw), out_dir=tmp_path / f"r{i}", log=None)
     pools = sorted(p.parent.name for p in (tmp_path / "enc" / "negatives").glob("*/negatives-*.safetensors"))
@@ -616,15 +617,22 @@ def test_continuations_stop_before_end_of_sequence():
 
     from aloe_build.forward import greedy_generate
     from aloe_build.rollouts import continued as _continued
+    from aloe_build.states import collect_states
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     prompts = [tok(p)["input_ids"] for p in ("The capital of France is", "Toko Yasuda plays the")]
     gens = greedy_generate(model, prompts, 5, pad_id=1)
     stop = gens[0][2]  # pretend the third generated token of the first prompt ends a sequence
-    out = _continued(model, SimpleNamespace(eos_token_id=stop, pad_token_id=1), prompts, 5, 2, "t")
+    out, states = _continued(model, SimpleNamespace(eos_token_id=stop, pad_token_id=1), prompts, 5, 1, 2, "t")
     assert out[0] == prompts[0] + gens[0][: gens[0].index(stop)]
     assert out[1] == prompts[1] + (gens[1][: gens[1].index(stop)] if stop in gens[1] else gens[1])
-    assert _continued(model, tok, prompts, 0, 2, "t") == prompts
+    # the states of the kept continuation tokens only, those of one pass over each continued sequence
+    want = collect_states(model, tok, out, 1, [range(len(p), len(c)) for p, c in zip(prompts, out)])
+    torch.testing.assert_close(states.offsets, want.offsets)
+    torch.testing.assert_close(states.states, want.states, atol=1e-5, rtol=0)
+    out, states = _continued(model, tok, prompts, 0, 1, 2, "t", starts=[0, 1])
+    assert out == prompts
+    assert states.offsets.tolist() == [0, len(prompts[0]), len(prompts[0]) + len(prompts[1]) - 1]
 
 
 def test_tensors_saved_atomically(tmp_path):
