@@ -84,29 +84,12 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
     return StateBatch(states, offsets)
 
 
-def chunked_token_lists(parts: PartStore | None, name: str, n: int,
-                        compute: Callable[[int, int, Tick], list[list[int]]], desc: str) -> list[list[int]]:
-    """``compute(lo, hi, tick)`` (token lists of items lo..hi-1) chunk by chunk, each chunk saved."""
-
-    def packed(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
-        lists = compute(lo, hi, tick)
-        return {"tokens": torch.tensor([t for xs in lists for t in xs], dtype=torch.long),
-                "lengths": torch.tensor([len(xs) for xs in lists], dtype=torch.long)}
-
-    out: list[list[int]] = []
-    for _lo, _hi, piece in _pieces(parts, name, n, desc, packed):
-        flat = piece["tokens"].tolist()
-        ends = piece["lengths"].cumsum(0).tolist()
-        out += [flat[(ends[i - 1] if i else 0): e] for i, e in enumerate(ends)]
-    return out
-
-
-def chunked_generations(parts: PartStore | None, name: str, n: int,
-                        compute: Callable[[int, int, Tick], tuple[list[list[int]], list[torch.Tensor]]], desc: str,
-                        d: int) -> tuple[list[list[int]], StateBatch]:
-    """``compute(lo, hi, tick)`` (token lists of items lo..hi-1 and a block of ``d``-dimensional states
-    for each) chunk by chunk, each chunk saved; returns the token lists and the states of all items
-    in order."""
+def chunked_tokens_and_states(parts: PartStore | None, name: str, n: int,
+                              compute: Callable[[int, int, Tick], tuple[list[list[int]], list[torch.Tensor]]],
+                              desc: str, d: int) -> tuple[list[list[int]], StateBatch]:
+    """``compute(lo, hi, tick)`` (a list of ints for each of items lo..hi-1, such as its generated
+    tokens, and a block of ``d``-dimensional states for each) chunk by chunk, each chunk saved;
+    returns the lists and the states of all items in order."""
 
     def packed(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
         lists, states = compute(lo, hi, tick)

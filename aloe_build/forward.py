@@ -96,6 +96,7 @@ class TFResult:
     gate_val: torch.Tensor | None = None  # their activations
     prompt_max_gate: float | None = None  # max over prompt tokens and slots
     prompt_max_slot: int | None = None
+    states: torch.Tensor | None = None  # normalized states (k, d) at the positions predicting the continuation
 
     def gate(self, slot: int | None) -> float:
         if slot is None or self.gate_idx is None:
@@ -118,6 +119,7 @@ def teacher_forced(
     batch_size: int = 32,
     editor: SlotEditor | None = None,
     hidden: Sequence[bool] | bool = False,
+    states_layer: int | None = None,
     progress: bool = False,
     desc: str = "teacher-forced",
     tick: Tick | None = None,
@@ -128,7 +130,9 @@ def teacher_forced(
     continuation token; the final hidden state at the last prompt token when
     ``hidden`` asks for it; and, when ``editor`` has slots, the nonzero slot
     activations at the last prompt token and the maximum over all prompt
-    tokens. Sequences are sorted by length and left-padded; only the logits
+    tokens; with ``states_layer``, the normalized inputs of that layer's
+    down-projection at the positions that predict the continuation tokens (the
+    last prompt token onwards). Sequences are sorted by length and left-padded; only the logits
     of the last ``max(k) + 1`` positions are computed. ``tick``, if given, is called after
     each batch with the number of sequences it finished (an outer progress bar).
     """
@@ -151,9 +155,14 @@ def teacher_forced(
     def on_head(_m, args, _o):
         state["final"] = args[0].detach()
 
+    def on_states(_m, args, _o):
+        state["states"] = args[0].detach()
+
     handles = [head.register_forward_hook(on_head)]
     if slot_site is not None:
         handles.append(slot_site.register_forward_hook(on_down))
+    if states_layer is not None:
+        handles.append(locate_down_proj(model, states_layer).module.register_forward_hook(on_states))
     bar = progress_bar(n, desc, progress)
     try:
         with torch.inference_mode():
@@ -177,6 +186,8 @@ def teacher_forced(
                         r.hidden = final[b, kmax - len(seqs[i][1])].float().cpu().clone()
                     if acts is not None:
                         _add_gates(r, acts[b], T - 1 - len(seqs[i][1]), T - len(full[b]))
+                    if states_layer is not None:
+                        r.states = normalize_rows(state["states"][b, T - 1 - len(seqs[i][1]): T - 1]).cpu()
                     out[i] = r
                 bar.update(len(batch))
                 if tick is not None:

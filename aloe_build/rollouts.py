@@ -24,7 +24,7 @@ import torch
 from aloe_kernels.hf import locate_down_proj
 
 from .checkpoints import PartStore, save_tensors_atomically
-from .chunked import chunked_generations, chunked_states, chunked_token_lists
+from .chunked import chunked_states, chunked_tokens_and_states
 from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
 from .forward import Tick, generate_with_states, in_precision, teacher_forced
@@ -144,32 +144,35 @@ def continued(model, tokenizer, prompts: list[list[int]], tokens: int, layer: in
         kept = [g[: g.index(eos)] if eos in g else g for g in gens]
         return kept, [st[: len(st) - (len(g) - len(k))] for st, g, k in zip(states, gens, kept)]
 
-    gens, got = chunked_generations(parts, f"{name}-with-states", len(prompts), generate, desc,
-                                    locate_down_proj(model, layer).d)
+    gens, got = chunked_tokens_and_states(parts, f"{name}-with-states", len(prompts), generate, desc,
+                                          locate_down_proj(model, layer).d)
     return [list(p) + g for p, g in zip(prompts, gens)], got
 
 
-def anchor_positions(model, tokenizer, prompts: list[list[int]], targets: list[list[int]], cap: int,
-                     keep_predicted: bool, batch_size: int, parts: PartStore | None = None) -> list[list[int]]:
-    """Positions along each target whose states are the slot's anchors: the last prompt token
-    (it predicts the first target token), then each position predicting a further target token
-    within ``cap``. Unless ``keep_predicted``, a further position is left out when the unedited
-    model already predicts its target token from the request and the target so far: it needs no
-    write, and its state is the target text's own ("Knight's Cross" after "Knight"), which the
-    target in any other context shares."""
+def along_target_anchors(model, tokenizer, prompts: list[list[int]], targets: list[list[int]], layer: int, cap: int,
+                         keep_predicted: bool, batch_size: int, parts: PartStore | None = None
+                         ) -> tuple[list[list[int]], StateBatch]:
+    """Anchor positions along each target, and their states: the last prompt token (it predicts the
+    first target token), then each position predicting a further target token within ``cap``.
+    Unless ``keep_predicted``, a further position is left out when the unedited model already
+    predicts its target token from the request and the target so far: it needs no write, and its
+    state is the target text's own ("Knight's Cross" after "Knight"), which the target in any other
+    context shares. The states are taken in the pass that finds the predicted tokens."""
     spans = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cap))) for p, t in zip(prompts, targets)]
     if keep_predicted or not prompts:
-        return spans
+        return spans, chunked_states(parts, "anchors", model, tokenizer, [p + t for p, t in zip(prompts, targets)],
+                                     layer, spans, batch_size, "stage 3: anchor states")
 
-    def predicted(lo: int, hi: int, tick: Tick) -> list[list[int]]:
+    def predicted(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
         res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts[lo:hi], targets[lo:hi])],
-                             pad_id=pad_id(tokenizer), batch_size=batch_size, tick=tick)
-        return [list(r.preds) for r in res]
+                             pad_id=pad_id(tokenizer), batch_size=batch_size, states_layer=layer, tick=tick)
+        kept = [[k for k, pr in enumerate(r.preds) if k == 0 or pr != t[k]] for r, t in zip(res, targets[lo:hi])]
+        return kept, [r.states[k] for r, k in zip(res, kept)]
 
-    preds = chunked_token_lists(parts, "predicted", len(prompts), predicted,
-                                "stage 3: target tokens already predicted")
-    return [[pos for k, pos in enumerate(span) if k == 0 or pr[k] != t[k]]
-            for span, t, pr in zip(spans, targets, preds)]
+    kept, states = chunked_tokens_and_states(parts, "predicted-with-states", len(prompts), predicted,
+                                             "stage 3: target tokens already predicted, and anchor states",
+                                             locate_down_proj(model, layer).d)
+    return [[span[k] for k in ks] for span, ks in zip(spans, kept)], states
 
 
 def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
@@ -380,13 +383,13 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
     # along the target for requests, rewordings and chat forms; the prefixed requests only at their last
     # prompt token (the positions along the target are the request's own target text)
     r = seqs.along
-    positions = anchor_positions(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
-                                 seqs.targets + seqs.extra_targets[:r],
-                                 cfg.max_target_tokens, cfg.anchor_predicted_targets, cfg.batch_size, parts)
-    positions += [[len(p) - 1] for p in seqs.extra_prompts[r:]]
-    full = [p + t for p, t in zip(seqs.prompts + seqs.extra_prompts[:r], seqs.targets + seqs.extra_targets[:r])]
-    anchors = chunked_states(parts, "anchors", model, tokenizer, full + seqs.extra_prompts[r:], layer, positions,
-                             cfg.batch_size, "stage 3: anchor states")
+    _, along = along_target_anchors(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
+                                    seqs.targets + seqs.extra_targets[:r], layer, cfg.max_target_tokens,
+                                    cfg.anchor_predicted_targets, cfg.batch_size, parts)
+    last = chunked_states(parts, "prefixed_anchors", model, tokenizer, seqs.extra_prompts[r:], layer,
+                          [[len(p) - 1] for p in seqs.extra_prompts[r:]], cfg.batch_size, "stage 3: prefixed anchor states")
+    anchors = StateBatch(torch.cat([along.states, last.states]),
+                         torch.cat([along.offsets, along.offsets[-1] + last.offsets[1:]]))
     pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg)
     pool = pool[not_anchors(pool, anchors.states)]
     # what the unedited model writes after each request, and answers to its chat forms: negatives

@@ -122,7 +122,7 @@ def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_pat
     assert bar.initial == 16 and sum(bar.updates) == 3
 
 
-def test_chunked_generations_resume_with_the_same_tokens_and_states(tmp_path, monkeypatch):
+def test_chunked_tokens_and_states_resume_with_the_same_tokens_and_states(tmp_path, monkeypatch):
     """Continuations with their states in saved chunks: a lost chunk is computed again, the others
     are read back, and tokens and states equal one uninterrupted call's."""
     from aloe_build.rollouts import continued

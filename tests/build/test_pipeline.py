@@ -662,11 +662,15 @@ def test_tensors_saved_atomically(tmp_path):
 
 
 
-def test_anchor_positions_leave_out_target_tokens_the_model_predicts():
+def test_anchors_leave_out_target_tokens_the_model_predicts():
     """Anchors are the last prompt token, then only the positions whose next target token the
-    unedited model does not already predict (checked against a plain forward of each sequence)."""
-    from aloe_build.rollouts import anchor_positions as _anchor_positions
+    unedited model does not already predict (checked against a plain forward of each sequence);
+    their states are those of a float64 forward at those positions."""
+    import copy
+
+    from aloe_build.rollouts import along_target_anchors
     from aloe_build.tokens import encode_prompt
+    from aloe_kernels.hf import locate_down_proj
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     prompts = [encode_prompt(tok, e.prompt) for e in _edits()[:3]]
@@ -674,18 +678,28 @@ def test_anchor_positions_leave_out_target_tokens_the_model_predicts():
     gens = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=5,
                            do_sample=False, pad_token_id=1, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
     targets = [gens[0], gens[1][:2] + [(gens[1][2] + 1) % 100 + 3] + gens[1][3:], [(gens[2][0] + 1) % 100 + 3] + gens[2][1:]]
-    got = _anchor_positions(model, tok, prompts, targets, 4, False, 2)
-    for p, t, pos in zip(prompts, targets, got):
-        with torch.no_grad():
-            pred = model(torch.tensor([p + t])).logits[0].argmax(-1).tolist()
-        want = [len(p) - 1] + [len(p) - 1 + k for k in range(1, 4) if pred[len(p) - 1 + k] != t[k]]
-        assert pos == want
+    ref_model = copy.deepcopy(model).double()
+    seen = {}
+    locate_down_proj(ref_model, 1).module.register_forward_pre_hook(lambda _m, args: seen.update(h=args[0]))
+
+    def check(cap, keep_predicted, batch_size):
+        got, states = along_target_anchors(model, tok, prompts, targets, 1, cap, keep_predicted, batch_size)
+        assert states.offsets.diff().tolist() == [len(pos) for pos in got]
+        for i, (p, t, pos) in enumerate(zip(prompts, targets, got)):
+            with torch.no_grad():
+                pred = ref_model(torch.tensor([p + t])).logits[0].argmax(-1).tolist()
+            want = [len(p) - 1 + k for k in range(min(cap, len(t)))
+                    if keep_predicted or k == 0 or pred[len(p) - 1 + k] != t[k]]
+            assert pos == want
+            h = seen["h"][0, want]
+            torch.testing.assert_close(states.of(i).double(), h / h.norm(dim=-1, keepdim=True), atol=1e-5, rtol=0)
+        return got
+
+    got = check(4, False, 2)
     assert got[0] == [len(prompts[0]) - 1]  # the model's own continuation needs only the first anchor
     assert len(prompts[1]) + 1 in got[1]  # the changed third token is not predicted
-    assert _anchor_positions(model, tok, prompts, targets, 4, True, 2) == [
-        list(range(len(p) - 1, len(p) + 3)) for p in prompts]
-    assert _anchor_positions(model, tok, prompts, targets, 2, False, 2)[1] == [len(prompts[1]) - 1]
-
+    assert check(4, True, 2) == [list(range(len(p) - 1, len(p) + 3)) for p in prompts]
+    assert check(2, False, 3)[1] == [len(prompts[1]) - 1]
 
 
 def test_encoder_cache_key_follows_the_corpus_content_not_its_path(tmp_path):
