@@ -143,26 +143,14 @@ def teacher_forced(
     want_hidden = [bool(hidden)] * n if isinstance(hidden, bool) else [bool(x) for x in hidden]
     device = model_device(model)
     order = sorted(range(n), key=lambda i: (len(seqs[i][0]) + len(seqs[i][1]), i))
-    slot_site = None
-    if editor is not None and editor.has_slots:
-        slot_site = locate_down_proj(model, editor.layer).module
-    head = model.get_output_embeddings()
+    slots = editor is not None and editor.has_slots
     state: dict[str, Any] = {}
-
-    def on_down(_m, args, _o):
-        state["h"] = args[0].detach()
-
-    def on_head(_m, args, _o):
-        state["final"] = args[0].detach()
-
-    def on_states(_m, args, _o):
-        state["states"] = args[0].detach()
-
-    handles = [head.register_forward_hook(on_head)]
-    if slot_site is not None:
-        handles.append(slot_site.register_forward_hook(on_down))
+    # the inputs of the output head ("final"), of the editor's layer ("h") and of states_layer ("states")
+    handles = [_keep_input(model.get_output_embeddings(), state, "final")]
+    if slots:
+        handles.append(_keep_input(locate_down_proj(model, editor.layer).module, state, "h"))
     if states_layer is not None:
-        handles.append(locate_down_proj(model, states_layer).module.register_forward_hook(on_states))
+        handles.append(_keep_input(locate_down_proj(model, states_layer).module, state, "states"))
     bar = progress_bar(n, desc, progress)
     try:
         with torch.inference_mode():
@@ -179,7 +167,7 @@ def teacher_forced(
                 final = state.get("final")
                 if final is not None:
                     final = final[:, -(kmax + 1):]
-                acts = editor.slot_activations(state["h"]) if slot_site is not None else None  # (B, T, n)
+                acts = editor.slot_activations(state["h"]) if slots else None  # (B, T, n)
                 for b, i in enumerate(batch):
                     r = _tf_row(logp[b], seqs[i][1], kmax)
                     if want_hidden[i] and final is not None:
@@ -197,6 +185,11 @@ def teacher_forced(
         for h in handles:
             h.remove()
     return out  # type: ignore[return-value]
+
+
+def _keep_input(module: nn.Module, box: dict[str, Any], key: str):
+    """Keeps the input of every call of ``module`` in ``box[key]``; returns the hook's handle."""
+    return module.register_forward_hook(lambda _m, args, _o: box.__setitem__(key, args[0].detach()))
 
 
 def _tf_row(logp: torch.Tensor, cont_ids: Sequence[int], kmax: int) -> TFResult:
