@@ -38,9 +38,9 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
-from .forward import StopForward, in_precision, model_device
+from .forward import StopForward, capture_down_proj_input, in_precision, model_device
 from .shared_prefix import cache_layer_kv, left_padded_cache
-from .states import capture_down_proj_input, normalize_rows, run_captured
+from .states import normalize_rows, run_captured
 from .tokens import batch_inputs, left_pad, pad_id
 
 # Largest relative difference between the upper-layer pass and a full forward that

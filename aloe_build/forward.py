@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import sys
 import warnings
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -222,6 +222,28 @@ class StopForward(Exception):
     """Raised by a capture hook to skip the layers above the edited one."""
 
 
+@contextlib.contextmanager
+def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True) -> Iterator[dict]:
+    """Within the context, every forward stores the down-projection input under ``box["h"]``.
+
+    While ``box["stop"]`` (``stop`` at first; a caller may change it between passes) the forward
+    is cut right after the capture (use :func:`aloe_build.states.run_captured`).
+    """
+    site = locate_down_proj(model, layer)
+    box: dict = {"stop": stop}
+
+    def hook(module, args):
+        box["h"] = args[0].detach()
+        if box["stop"]:
+            raise StopForward
+
+    handle = site.module.register_forward_pre_hook(hook)
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
 def greedy_generate(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -281,21 +303,13 @@ def _generate(model, prompts, lengths, pad_id: int, batch_size: int, progress: b
         return out, states
     device = model_device(model)
     order = sorted(range(n), key=lambda i: (ks[i], len(prompts[i]), i))
-    box: dict[str, Any] = {}
-    handle = None
     if capture is not None:
-        site = locate_down_proj(model, capture[0])
-        states = [torch.empty(0, site.d)] * n
-
-        def hook(_m, args):
-            box["h"] = args[0].detach()
-            if box.get("stop"):
-                raise StopForward
-
-        handle = site.module.register_forward_pre_hook(hook)
+        states = [torch.empty(0, locate_down_proj(model, capture[0]).d)] * n
+    # the forward pre-hook of the edited down-projection, when states are asked for
+    capturing = contextlib.nullcontext({}) if capture is None else capture_down_proj_input(model, capture[0], stop=False)
     bar = progress_bar(n, desc, progress)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), capturing as box:
             for batch in batches(order, batch_size):
                 kmax = max(ks[i] for i in batch)
                 if kmax <= 0 and capture is None:
@@ -334,8 +348,6 @@ def _generate(model, prompts, lengths, pad_id: int, batch_size: int, progress: b
                     tick(len(batch))
     finally:
         bar.close()
-        if handle is not None:
-            handle.remove()
     return out, states
 
 

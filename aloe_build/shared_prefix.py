@@ -21,8 +21,8 @@ from transformers import DynamicCache
 
 from aloe_kernels.hf import locate_down_proj
 
-from .forward import Tick, model_device
-from .states import StateBatch, capture_down_proj_input, collect_states, normalize_rows, run_captured
+from .forward import Tick, capture_down_proj_input, model_device
+from .states import StateBatch, collect_states, normalize_rows, run_captured
 from .tokens import batch_inputs, pad_id
 
 #: Fewest leading tokens a group must share: below it the cache bookkeeping costs more than it saves.

@@ -9,9 +9,8 @@ and they can be collected once, before any write exists.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -20,29 +19,8 @@ from tqdm.auto import tqdm
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.reference import normalize_rows
 
-from .forward import StopForward, Tick, model_device
+from .forward import StopForward, Tick, capture_down_proj_input, model_device
 from .tokens import batch_inputs, encode_prompt, pad_id
-
-
-@contextlib.contextmanager
-def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True) -> Iterator[dict]:
-    """Within the context, every forward stores the down-projection input under ``box["h"]``.
-
-    With ``stop`` the forward is cut right after the capture (use :func:`run_captured`).
-    """
-    site = locate_down_proj(model, layer)
-    box: dict = {}
-
-    def hook(module, args):
-        box["h"] = args[0].detach()
-        if stop:
-            raise StopForward
-
-    handle = site.module.register_forward_pre_hook(hook)
-    try:
-        yield box
-    finally:
-        handle.remove()
 
 
 def run_captured(model: nn.Module, box: dict, cache=None, **inputs) -> torch.Tensor:
