@@ -167,6 +167,10 @@ class EditedForward:
 
     # ---- per-batch pieces ----------------------------------------------------------------
 
+    def upper_positions(self, i: int) -> int:
+        """Positions of sequence ``i`` that every step runs through the upper layers (after its cache)."""
+        return len(self.seqs[i]) - self.split[i]
+
     def width(self, rows: Sequence[int]) -> int:
         return max(len(self.seqs[i]) for i in rows)
 

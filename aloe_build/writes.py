@@ -62,8 +62,7 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     deltas = torch.zeros(n, fwd.d_out)
     final_losses = [0.0] * n
     produced = [False] * n
-    order = sorted(range(n), key=lambda i: len(fwd.seqs[i]))  # similar lengths share a batch: less padding
-    batches = [order[start: start + cfg.target_batch] for start in range(0, n, cfg.target_batch)]
+    batches = target_batches(fwd, rows_of, cfg.target_batch)
     saved = {k for k in range(len(batches)) if parts is not None and parts.has(f"batch-{k}")}
     steps: list[int] = []
     # the bar starts past the batches read back: its rate and time left are this run's
@@ -71,8 +70,11 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     with fwd.frozen(), bar:
         for k, slots in enumerate(batches):
             piece = parts.get(f"batch-{k}") if k in saved else None
+            if piece is not None and not torch.equal(piece.get("slots", torch.empty(0)), torch.tensor(slots)):
+                piece = None  # saved by a run that formed its batches otherwise
             if piece is None:
                 piece = _target_batch(fwd, [rows_of[i] for i in slots], cfg)
+                piece["slots"] = torch.tensor(slots)
                 if parts is not None:
                     parts.put(f"batch-{k}", piece)
                 bar.update(1)
@@ -86,6 +88,19 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
         stats.update(steps_mean=sum(steps) / len(steps), steps_max=max(steps),
                      batches_past_target_steps=sum(k > cfg.target_steps for k in steps))
     return deltas, final_losses, sum(produced) / max(n, 1)
+
+
+def target_batches(fwd: EditedForward, rows_of: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+    """Stage 6's batches of slots. A step pads every sequence of a batch to the longest run of
+    positions after a cached prefix (``EditedForward.upper_positions``), so slots are ordered by
+    theirs: ordered by whole length, one sequence whose gates open early widens its batch, and
+    the more slots an operator has, the more batches hold one. Each slot's delta has its own loss
+    and its own Adam moments, so the grouping does not change what is fitted."""
+    def cost(i: int) -> tuple[int, int]:
+        return (max(fwd.upper_positions(r) for r in rows_of[i]), max(len(fwd.seqs[r]) for r in rows_of[i]))
+
+    order = sorted(range(len(rows_of)), key=cost)
+    return [order[start: start + size] for start in range(0, len(order), size)]
 
 
 def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig) -> dict[str, torch.Tensor]:

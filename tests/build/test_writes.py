@@ -187,6 +187,55 @@ def test_write_targets_fit_a_slot_on_all_its_sequences():
         write_targets(fwd, cfg, rows_of=[[0], [], [2], [3]])
 
 
+def test_stage6_batches_pad_least_to_the_positions_after_the_cache():
+    """Over every split of six slots into batches of two, none pads fewer positions through the
+    upper layers than ``target_batches`` (a slot costs its longest sequence after the cache)."""
+    import itertools
+    from types import SimpleNamespace
+
+    from aloe_build.writes import target_batches
+
+    after_cache = [9, 2, 7, 3, 8, 2, 5]  # per sequence; slot 0 has two (0 and 6)
+    rows_of = [[0, 6], [1], [2], [3], [4], [5]]
+    lengths = [12, 30, 13, 25, 14, 20, 11]  # whole lengths in another order
+    fwd = SimpleNamespace(seqs=[[0] * n for n in lengths], upper_positions=lambda i: after_cache[i])
+
+    def padded(batches):
+        return sum(len(b) * max(after_cache[r] for s in b for r in rows_of[s]) for b in batches)
+
+    got = target_batches(fwd, rows_of, 2)
+    assert sorted(s for b in got for s in b) == list(range(6)) and all(len(b) == 2 for b in got)
+    best = min(padded([list(p[k: k + 2]) for k in range(0, 6, 2)]) for p in itertools.permutations(range(6)))
+    assert padded(got) == best == 2 * (2 + 7 + 9)
+
+
+def test_stage6_grouping_does_not_change_the_fit_and_foreign_parts_are_recomputed(tmp_path):
+    """Each slot's delta is fitted alike in batches of one or of four; a saved batch whose slots
+    are not the batch's own (a run that grouped otherwise) is computed again, not read back."""
+    from aloe_build.checkpoints import PartStore
+    from aloe_build.edited_forward import EditedForward
+    from aloe_build.writes import target_batches, write_targets
+
+    model, tok, seqs, lens, op = _slot_per_sequence()
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
+    alone = BuildConfig(target_steps=5, target_max_steps=40, target_lr=0.05, target_batch=1)
+    together = BuildConfig(target_steps=5, target_max_steps=40, target_lr=0.05, target_batch=4)
+    with fwd.frozen():
+        d_alone, nll_alone, made_alone = write_targets(fwd, alone)
+        d_together, nll_together, made_together = write_targets(fwd, together)
+        torch.testing.assert_close(d_together, d_alone, atol=1e-5, rtol=1e-4)
+        assert nll_together == pytest.approx(nll_alone, abs=1e-5) and made_together == made_alone
+        parts = PartStore(tmp_path / "parts", "key")
+        slots = target_batches(fwd, [[i] for i in range(4)], 4)[0]
+        foreign = {"delta": torch.full((4, fwd.d_out), 7.0), "nll": torch.zeros(4), "steps": torch.tensor(0),
+                   "produced": torch.ones(4, dtype=torch.bool), "slots": torch.tensor(slots[::-1])}
+        parts.put("batch-0", foreign)
+        d_resumed, _, _ = write_targets(fwd, together, parts=parts)
+        torch.testing.assert_close(d_resumed, d_together, atol=1e-6, rtol=1e-5)
+        d_read, _, _ = write_targets(fwd, together, parts=PartStore(tmp_path / "parts", "key"))
+    torch.testing.assert_close(d_read, d_resumed)  # its own part, saved by the run above, is read back
+
+
 def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():
     from aloe_build.edited_forward import EditedForward
     from aloe_build.writes import finetune_writes, produced_rows, write_targets
