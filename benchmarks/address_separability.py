@@ -13,6 +13,15 @@ and the miss is the address's, not the write's.
         --limit 839 --out benchmarks/results/separability_smollm2_counterfact-stream/n839.json
 
 The operator directory must hold its build's checkpoints (``checkpoints/5_calibrate.safetensors``).
+
+``--stages`` reads the addresses at three points of the build, without a calibration of their own:
+the unit request state (a raw address), stage 2's initial addresses (the encoder's) and stage 4's
+refined ones. For each: the share of rewordings that score above their own record's locality prompt
+at their own slot; the AUC of a rewording's score at its slot against a locality prompt's best score
+over all slots and positions (one threshold for every unit address); and, from the build's stage-3
+states (``checkpoints/3_rollouts.safetensors``), the share of slots whose worst anchor clears the
+worst negative of each kind (the corpus pool, other slots' anchors and continuations, the slot's
+own edit negatives) and of all of them, which is what calibration needs.
 """
 
 from __future__ import annotations
@@ -24,6 +33,14 @@ from pathlib import Path
 import torch
 
 CUTS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def auc(positives: torch.Tensor, negatives: torch.Tensor) -> float:
+    """The chance that a positive scores above a negative (ties count half)."""
+    ranked = torch.sort(negatives).values
+    below = torch.searchsorted(ranked, positives, right=False).double()
+    at_or_below = torch.searchsorted(ranked, positives, right=True).double()
+    return float(((below + at_or_below) / 2).mean() / max(negatives.numel(), 1))
 
 
 def relative_scores(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor,
@@ -56,14 +73,10 @@ def separability(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: 
         raised = best >= r_new[owner]
         where[owner[raised]] = slot[raised]
         r_loc = r_new
-    ranked = torch.sort(r_loc).values
-    below = torch.searchsorted(ranked, r_own, right=False).double()
-    at_or_below = torch.searchsorted(ranked, r_own, right=True).double()
-    auc = float(((below + at_or_below) / 2).mean() / max(prompts, 1)) if r_own.numel() else None
     return {
         "rephrases": int(r_own.numel()),
         "locality_prompts": prompts,
-        "auc_rephrase_over_locality": auc,
+        "auc_rephrase_over_locality": auc(r_own, r_loc) if r_own.numel() else None,
         "cuts": [{"t": t, "rephrases_at_or_above": float((r_own >= t).double().mean()),
                   "locality_below": float((r_loc < t).double().mean())} for t in cuts],
         "rephrase_r_quantiles": _quantiles(r_own),
@@ -72,11 +85,72 @@ def separability(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: 
     }
 
 
+def stage_readings(V: torch.Tensor, request_states: torch.Tensor, rephrase_states: torch.Tensor,
+                   rephrase_slot: torch.Tensor, locality_last: torch.Tensor, locality_slot: torch.Tensor,
+                   locality_states: torch.Tensor, locality_prompt: torch.Tensor, prompts: int) -> dict:
+    """Threshold-free readings of addresses ``V`` (n, d) on unit states (see ``--stages``)."""
+    U = torch.nn.functional.normalize(V.double(), dim=1)
+    own = (rephrase_states.double() * U[rephrase_slot]).sum(1)
+    at_slot = (locality_last.double() * U[locality_slot]).sum(1)
+    best = torch.full((prompts,), -torch.inf, dtype=torch.double).scatter_reduce(
+        0, locality_prompt, (locality_states.double() @ U.T).max(1).values, reduce="amax")
+    # every (rewording, locality prompt) pair of one record, both scored at its slot
+    pairs = (rephrase_slot[:, None] == locality_slot[None, :])
+    over_own = (own[:, None] > at_slot[None, :])[pairs]
+    return {"rewording_over_own_locality_prompt": float(over_own.double().mean()) if over_own.numel() else None,
+            "auc_rewording_over_locality_best": auc(own, best),
+            "mean_unit_score": {"request": float((request_states.double() * U).sum(1).mean()),
+                                "rewording": float(own.mean()), "own_locality_prompt": float(at_slot.mean())}}
+
+
+def clears_negatives(V: torch.Tensor, roll: dict[str, torch.Tensor], same_prompt: torch.Tensor) -> dict[str, float]:
+    """Share of slots whose worst anchor scores above the worst negative of each kind, and of all."""
+    from aloe_build.addresses import NegativeSet, min_anchor_scores
+    from aloe_build.pipeline import negative_set
+
+    V = V.float()
+    worst_anchor = min_anchor_scores(V, roll["anchors"].float(), roll["anchor_owner"])
+    none = torch.empty(0, V.shape[1]), torch.empty(0, dtype=torch.long)
+    kinds = {"pool": NegativeSet(roll["pool"], torch.full((roll["pool"].shape[0],), -1, dtype=torch.long), *none),
+             "other slots' anchors": NegativeSet(roll["anchors"], roll["anchor_owner"], *none),
+             "continuations": NegativeSet(roll["continuations"], roll["continuation_owner"], *none),
+             "own edit negatives": NegativeSet(*none, roll["specific"], roll["specific_owner"]),
+             "all": negative_set(roll)}
+    out = {}
+    for name, negatives in kinds.items():
+        worst = negatives.worst(V, same_prompt)
+        out[name] = float((worst_anchor > worst).double().mean())
+    return out
+
+
 def _quantiles(x: torch.Tensor) -> dict[str, float]:
     qs = (0.1, 0.25, 0.5, 0.75, 0.9)
     if x.numel() == 0:
         return {}
     return {f"q{int(q * 100)}": float(torch.quantile(x.double(), q)) for q in qs}
+
+
+def _stages(run: str, model, tok, edits, layer: int, r_states, rephrases, locality, l_batch) -> dict:
+    """The ``--stages`` readings of a build directory's checkpoints."""
+    from safetensors.torch import load_file
+
+    from aloe_build.states import last_token_states
+
+    ck = Path(run) / "checkpoints"
+    roll = load_file(str(ck / "3_rollouts.safetensors"))
+    requests = last_token_states(model, tok, [e.prompt for e in edits], layer, desc="requests")
+    addresses = {"raw request state": requests, "stage 2 (encoder)": load_file(str(ck / "2_init.safetensors"))["V0"],
+                 "stage 4 (refined)": load_file(str(ck / "4_refine.safetensors"))["V"]}
+    loc_slot = torch.tensor([i for i, e in enumerate(edits) for _ in e.locality], dtype=torch.long)
+    loc_last = last_token_states(model, tok, locality, layer, desc="locality prompts, last token")
+    same_prompt = torch.tensor([[a.prompt == b.prompt for b in edits] for a in edits])
+    out = {}
+    for name, V in addresses.items():
+        out[name] = stage_readings(V, requests, r_states, torch.tensor([i for i, _ in rephrases], dtype=torch.long),
+                                   loc_last, loc_slot, l_batch.states, l_batch.owner(), len(locality))
+        out[name]["worst_anchor_clears_worst_negative"] = clears_negatives(V, roll, same_prompt)
+        print(name, json.dumps(out[name]), flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", default=None, help="write the result here as JSON")
+    ap.add_argument("--stages", action="store_true", help="also read the raw, stage-2 and stage-4 addresses")
     args = ap.parse_args(argv)
     op = AloeOperator.load(args.operator)
     cal = load_file(str(Path(args.operator) / "checkpoints" / "5_calibrate.safetensors"))
@@ -109,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     result = separability(op.addresses.float(), cal["worst_positive"].float(), cal["worst_negative"].float(),
                           r_states, torch.tensor([i for i, _ in rephrases], dtype=torch.long), l_batch.states,
                           l_batch.owner(), len(locality))
+    if args.stages:
+        result["stages"] = _stages(args.operator, model, tok, edits, op.layer, r_states, rephrases, locality, l_batch)
     result = {"operator": args.operator, "edits": args.edits, "limit": args.limit, **result}
     text = json.dumps(result, indent=1)
     print(text)

@@ -35,3 +35,87 @@ def test_separability_matches_a_brute_force():
              for p in range(prompts)}
     assert got["locality_max_slots_distinct"] == len(slots)
     assert got["rephrases"] == 11 and got["locality_prompts"] == prompts
+
+
+def test_stage_readings_and_negative_kinds_match_a_brute_force():
+    """The ``--stages`` readings of unscaled addresses, and which negative kinds each slot's worst
+    anchor clears, against loops over every pair in float64."""
+    from benchmarks.address_separability import clears_negatives, stage_readings
+
+    g = torch.Generator().manual_seed(11)
+    n, d, prompts = 5, 9, 6
+
+    def unit(*shape):
+        return torch.nn.functional.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
+
+    V = torch.randn(n, d, generator=g, dtype=torch.float64) * 3  # readings use the unit addresses
+    requests, reph = unit(n, d), unit(8, d)
+    reph_slot = torch.tensor([0, 1, 1, 2, 3, 4, 4, 0])
+    loc_last, loc_slot = unit(prompts, d), torch.tensor([0, 1, 2, 3, 4, 4])
+    loc = unit(15, d)
+    loc_prompt = torch.cat([torch.arange(prompts), torch.randint(0, prompts, (9,), generator=g)])
+    got = stage_readings(V, requests, reph, reph_slot, loc_last, loc_slot, loc, loc_prompt, prompts)
+    Vu = V / V.norm(dim=1, keepdim=True)
+    own = [float(reph[k] @ Vu[reph_slot[k]]) for k in range(8)]
+    pairs = [(own[k], float(loc_last[j] @ Vu[loc_slot[j]])) for k in range(8) for j in range(prompts)
+             if reph_slot[k] == loc_slot[j]]
+    assert abs(got["rewording_over_own_locality_prompt"] - sum(a > b for a, b in pairs) / len(pairs)) < 1e-12
+    best = [max(float(loc[j] @ Vu[i]) for j in range(15) if loc_prompt[j] == p for i in range(n)) for p in range(prompts)]
+    wins = sum((a > b) + 0.5 * (a == b) for a in own for b in best)
+    assert abs(got["auc_rewording_over_locality_best"] - wins / (8 * prompts)) < 1e-12
+    assert abs(got["mean_unit_score"]["request"] - sum(float(requests[i] @ Vu[i]) for i in range(n)) / n) < 1e-12
+
+    # stage-3 states: anchors (owner per anchor), continuations, a pool, each slot's own negatives
+    anchor_owner = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4, 1])
+    anchors = torch.nn.functional.normalize(Vu[anchor_owner] + 0.3 * unit(9, d), dim=1)  # near their slots
+    specific = unit(10, d)
+    specific[5] = Vu[3]  # slot 3's own edit negative lies on its address: it clears no kind but the others
+    roll = {"anchors": anchors.float(), "anchor_owner": anchor_owner,
+            "continuations": unit(7, d).float(), "continuation_owner": torch.tensor([0, 1, 2, 3, 4, 0, 2]),
+            "pool": unit(6, d).float(), "specific": specific.float(),
+            "specific_owner": torch.tensor([0, 0, 1, 1, 2, 3, 3, 4, 4, 4])}
+    same_prompt = torch.eye(n, dtype=torch.bool)
+    got = clears_negatives(V, roll, same_prompt)
+    Vf = V.float()
+
+    def worst_anchor(i):
+        return min(float(roll["anchors"][a] @ Vf[i]) for a in range(9) if roll["anchor_owner"][a] == i)
+
+    def worst(i, states, owner, own_only):
+        scores = [float(states[j] @ Vf[i]) for j in range(len(states))
+                  if (owner[j] == i if own_only else owner[j] != i)]
+        return max(scores) if scores else float("-inf")
+
+    minus = torch.full((6,), -1)
+    kinds = {"pool": lambda i: worst(i, roll["pool"], minus, False),
+             "other slots' anchors": lambda i: worst(i, roll["anchors"], roll["anchor_owner"], False),
+             "continuations": lambda i: worst(i, roll["continuations"], roll["continuation_owner"], False),
+             "own edit negatives": lambda i: worst(i, roll["specific"], roll["specific_owner"], True)}
+    base = list(kinds.values())
+    kinds["all"] = lambda i: max(f(i) for f in base)
+    for name, f in kinds.items():
+        assert abs(got[name] - sum(worst_anchor(i) > f(i) for i in range(n)) / n) < 1e-12, name
+    assert 0 < got["all"] < 1 and got["own edit negatives"] < 1
+
+
+def test_layer_readings_match_a_brute_force():
+    """The raw-state readings per layer (requests as addresses) against loops over every pair."""
+    from benchmarks.layer_separability import readings
+
+    g = torch.Generator().manual_seed(3)
+
+    def unit(*shape):
+        return torch.nn.functional.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
+
+    q, r, lo = unit(4, 7), unit(6, 7), unit(5, 7)
+    r[0] = q[2]  # a rewording equal to its request: nearest, and above its locality prompts there
+    r_slot, l_slot = torch.tensor([2, 0, 1, 1, 3, 0]), torch.tensor([0, 1, 2, 3, 3])
+    got = readings(q, r, r_slot, lo, l_slot)
+    own = [float(r[k] @ q[r_slot[k]]) for k in range(6)]
+    pairs = [(own[k], float(lo[j] @ q[l_slot[j]])) for k in range(6) for j in range(5) if r_slot[k] == l_slot[j]]
+    assert abs(got["rewording_over_own_locality_prompt"] - sum(a > b for a, b in pairs) / len(pairs)) < 1e-12
+    best = [max(float(lo[j] @ q[i]) for i in range(4)) for j in range(5)]
+    wins = sum((a > b) + 0.5 * (a == b) for a in own for b in best)
+    assert abs(got["auc_rewording_over_locality_best"] - wins / 30) < 1e-12
+    top1 = [max(range(4), key=lambda i: float(r[k] @ q[i])) == r_slot[k] for k in range(6)]
+    assert got["rewording_top1"] == sum(top1) / 6 and top1[0]
