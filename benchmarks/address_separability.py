@@ -43,6 +43,13 @@ def auc(positives: torch.Tensor, negatives: torch.Tensor) -> float:
     return float(((below + at_or_below) / 2).mean() / max(negatives.numel(), 1))
 
 
+def share_above_own(scores: torch.Tensor, slots: torch.Tensor, other: torch.Tensor, other_slots: torch.Tensor
+                    ) -> float | None:
+    """Over every pair of one slot, the share in which ``scores`` is above ``other`` (None: no pair)."""
+    above = (scores[:, None] > other[None, :])[slots[:, None] == other_slots[None, :]]
+    return float(above.double().mean()) if above.numel() else None
+
+
 def relative_scores(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor,
                     states: torch.Tensor) -> torch.Tensor:
     """r (N, n) of unit ``states`` at every slot: 0 at the slot's worst negative, 1 at its worst anchor."""
@@ -95,9 +102,7 @@ def stage_readings(V: torch.Tensor, request_states: torch.Tensor, rephrase_state
     best = torch.full((prompts,), -torch.inf, dtype=torch.double).scatter_reduce(
         0, locality_prompt, (locality_states.double() @ U.T).max(1).values, reduce="amax")
     # every (rewording, locality prompt) pair of one record, both scored at its slot
-    pairs = (rephrase_slot[:, None] == locality_slot[None, :])
-    over_own = (own[:, None] > at_slot[None, :])[pairs]
-    return {"rewording_over_own_locality_prompt": float(over_own.double().mean()) if over_own.numel() else None,
+    return {"rewording_over_own_locality_prompt": share_above_own(own, rephrase_slot, at_slot, locality_slot),
             "auc_rewording_over_locality_best": auc(own, best),
             "mean_unit_score": {"request": float((request_states.double() * U).sum(1).mean()),
                                 "rewording": float(own.mean()), "own_locality_prompt": float(at_slot.mean())}}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.address_separability import auc
+from benchmarks.address_separability import auc, share_above_own
 
 
 def readings(requests: torch.Tensor, rewordings: torch.Tensor, rewording_slot: torch.Tensor,
@@ -29,9 +29,8 @@ def readings(requests: torch.Tensor, rewordings: torch.Tensor, rewording_slot: t
     q, r, lo = (x.double() for x in (requests, rewordings, locality))
     own = (r * q[rewording_slot]).sum(1)
     at_request = (lo * q[locality_slot]).sum(1)
-    pairs = rewording_slot[:, None] == locality_slot[None, :]
     best = (lo @ q.T).max(1).values
-    return {"rewording_over_own_locality_prompt": float((own[:, None] > at_request[None, :])[pairs].double().mean()),
+    return {"rewording_over_own_locality_prompt": share_above_own(own, rewording_slot, at_request, locality_slot),
             "auc_rewording_over_locality_best": auc(own, best),
             "rewording_top1": float(((r @ q.T).argmax(1) == rewording_slot).double().mean())}
 
