@@ -127,6 +127,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             return 2
         _chat(model, tokenizer, requests, editor, args, meta, out)
         if args.chat == "only":
+            ChunkStore(out / PARTS_DIR).clear()  # chat.json holds every answer saved there
             return 0
     try:
         report = evaluate(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
@@ -147,8 +148,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: dict, out: Path) -> None:
     """The chat-form evaluation (:mod:`aloe_eval.chat`) into ``out/chat.json`` and ``out/chat.md``."""
     systems = {**SYSTEMS, **{f"system_{k + 1}": text for k, text in enumerate(args.chat_system or [])}}
+    # the answers are saved under OUT/parts as they come, so an interrupted run resumes there
+    context = {"operator": editor.op.fingerprint(), "model": str(args.model),
+               "model_dtype": str(next(model.parameters()).dtype), "operator_dtype": args.operator_dtype}
     result = chat_evaluation(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
-                             systems=systems)
+                             systems=systems, parts=ChunkStore(out / PARTS_DIR), context=context)
     result["meta"] = meta
     out.mkdir(parents=True, exist_ok=True)
     (out / "chat.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))

@@ -27,9 +27,12 @@ from aloe_build.forward import greedy_generate
 from aloe_build.states import collect_states
 from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id
 
+from .chunks import ChunkStore, content_key
 from .editors import Editor
 
 CHAT_TOKENS = 32
+#: Bump when what a saved answer list holds changes, so that older files are generated again.
+ANSWERS_FORMAT = 1
 CUSTOM_SYSTEM = "You are a helpful assistant. Answer the question directly."
 SYSTEMS = {"default_system": None, "custom_system": CUSTOM_SYSTEM}
 
@@ -118,8 +121,14 @@ def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[l
 
 def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *, batch_size: int = 32,
                     progress: bool = True, systems: dict[str, str | None] | None = None,
-                    tokens: int = CHAT_TOKENS, open_threshold: float = 0.5) -> dict[str, Any]:
-    """Score ``editor`` on ``requests`` in chat form, once per system prompt (see the module doc)."""
+                    tokens: int = CHAT_TOKENS, open_threshold: float = 0.5, parts: ChunkStore | None = None,
+                    context: Any = None) -> dict[str, Any]:
+    """Score ``editor`` on ``requests`` in chat form, once per system prompt (see the module doc).
+
+    With ``parts`` each list of answers is saved there as soon as it is generated, keyed by
+    ``context`` (what identifies the model and the editor: an operator's fingerprint), the system
+    prompt, the questions and ``tokens``; an interrupted evaluation reads them back instead of
+    generating them again."""
     systems = SYSTEMS if systems is None else systems
     out: dict[str, Any] = {"tokens": tokens, "edits": len(requests)}
     for name, system in systems.items():
@@ -128,8 +137,16 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
         locs = [lp.prompt for r in requests for lp in r.locality]
 
         def answers(desc: str, questions=asks) -> list[list[int]]:
-            return chat_answers(model, tokenizer, questions, system, tokens=tokens, batch_size=batch_size,
-                                progress=progress, desc=f"chat ({name}): {desc}")
+            key = content_key([ANSWERS_FORMAT, context, desc, system, tokens, list(questions)])
+            file = f"chat-{content_key([name, desc])}"
+            saved = parts.read(file, key) if parts is not None else None
+            if saved is not None:
+                return saved["answers"]
+            got = chat_answers(model, tokenizer, questions, system, tokens=tokens, batch_size=batch_size,
+                               progress=progress, desc=f"chat ({name}): {desc}")
+            if parts is not None:
+                parts.write(file, key, {"answers": got})
+            return got
 
         base_ask, base_loc = answers("unedited requests"), answers("unedited locality", locs)
         editor.attach(model)

@@ -41,22 +41,30 @@ def chunk_key(requests: Sequence[Any], lo: int, context: dict[str, Any]) -> str:
                 [[lp.prompt, lp.kind, lp.ground_truth] for lp in r.locality],
                 [[pp.prompt, pp.kind, pp.ground_truth] for pp in r.portability]]
 
-    blob = json.dumps([CHUNK_FORMAT, lo, context, [edit(r) for r in requests]], sort_keys=True, default=str)
+    return content_key([CHUNK_FORMAT, lo, context, [edit(r) for r in requests]])
+
+
+def content_key(content: Any) -> str:
+    """A short hash of ``content`` (anything JSON can write, through ``str`` where it cannot)."""
+    blob = json.dumps(content, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 class ChunkStore:
-    """Chunk results under ``root/chunk-<k>.json.gz``, each tagged with its key; a file whose key
-    differs (other edits, operator or settings) or that cannot be read is scored again."""
+    """Chunk results under ``root/chunk-<k>.json.gz`` (and other parts of a running evaluation under
+    ``root/<name>.json.gz``), each tagged with its key; a file whose key differs (other edits,
+    operator or settings) or that cannot be read is scored again."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    def _file(self, k: int) -> Path:
-        return self.root / f"chunk-{k:05d}.json.gz"
+    def _file(self, name: str) -> Path:
+        return self.root / f"{name}.json.gz"
 
-    def get(self, k: int, key: str) -> dict[str, EditorResult] | None:
-        file = self._file(k)
+    def read(self, name: str, key: str) -> dict[str, Any] | None:
+        """The payload saved as ``name`` under ``key``; None when there is none, it cannot be read,
+        or it was saved under another key."""
+        file = self._file(name)
         if not file.is_file():
             return None
         try:
@@ -64,20 +72,27 @@ class ChunkStore:
                 data = json.load(f)
         except (OSError, EOFError, json.JSONDecodeError):
             return None
-        if data.get("key") != key:
+        return data if isinstance(data, dict) and data.get("key") == key else None
+
+    def write(self, name: str, key: str, payload: dict[str, Any]) -> None:
+        """Save ``payload`` (JSON-able) as ``name`` under ``key``, atomically."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(jsonable({**payload, "key": key}), ensure_ascii=False)
+        write_atomically(self._file(name), lambda tmp: tmp.write_bytes(gzip.compress(text.encode("utf-8"))))
+
+    def get(self, k: int, key: str) -> dict[str, EditorResult] | None:
+        data = self.read(f"chunk-{k:05d}", key)
+        if data is None:
             return None
         return {name: EditorResult(v["name"], v["summary"], v["rows"], v["info"], v["plots"])
                 for name, v in data["editors"].items()}
 
     def put(self, k: int, key: str, results: dict[str, EditorResult]) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps(jsonable({"key": key, "editors": {n: r.to_dict() for n, r in results.items()}}),
-                             ensure_ascii=False)
-        write_atomically(self._file(k), lambda tmp: tmp.write_bytes(gzip.compress(payload.encode("utf-8"))))
+        self.write(f"chunk-{k:05d}", key, {"editors": {n: r.to_dict() for n, r in results.items()}})
 
     def clear(self) -> None:
-        """Remove the chunk files (once the whole report is written)."""
-        for f in self.root.glob("chunk-*.json.gz"):
+        """Remove the saved files (once the whole report is written)."""
+        for f in self.root.glob("*.json.gz"):
             f.unlink()
         if self.root.is_dir() and not any(self.root.iterdir()):
             self.root.rmdir()

@@ -242,3 +242,41 @@ def test_chat_template_gates_count_the_prompts_where_a_slot_opens():
     want_default = sum(1 for q in questions if open_positions(model, tok, op, q, None))
     got_default = prompt_gates(model, tok, op, questions, [-1, 0], None)
     assert got_default["closed"] == len(questions) - want_default
+
+
+def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
+    """With a part store each answer list is saved as it is generated: a run stopped at its third
+    list keeps the first two, the rerun generates only the rest and gives the uninterrupted result;
+    another context (editor) generates everything again."""
+    import aloe_eval.chat as chat
+    from aloe_eval.chunks import ChunkStore
+
+    model, tok = _setup()
+    questions = ["The capital of France is", "John Lennon plays the"]
+    reqs = [EditRequest(q, "Paris", "x", locality=[questions[1 - i]], id=str(i)) for i, q in enumerate(questions)]
+    run = dict(batch_size=2, progress=False, systems={"default_system": None})
+    whole = chat_evaluation(model, tok, reqs, ForceToken(5), **run)
+
+    real, calls = chat.chat_answers, []
+
+    def stops_at_third(*args, **kwargs):
+        calls.append(kwargs["desc"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    store = ChunkStore(tmp_path / "parts")
+    monkeypatch.setattr(chat, "chat_answers", stops_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-a", **run)
+    assert len(list((tmp_path / "parts").glob("chat-*.json.gz"))) == 2
+
+    calls.clear()
+    monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
+    resumed = chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-a", **run)
+    assert calls == ["chat (default_system): edited requests", "chat (default_system): edited locality"]
+    assert resumed == whole
+
+    calls.clear()
+    chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-b", **run)
+    assert len(calls) == 4
