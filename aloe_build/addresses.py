@@ -211,22 +211,47 @@ def refine_addresses(
     steps, the end of the soft phase) keeps each slot's best shared negatives, and the re-minings
     between score only those and the slot's own negatives. With ``parts`` the state at each
     re-mining is saved there, and an interrupted refinement resumes from the last one it reached
-    with the same result."""
+    with the same result.
+
+    With ``refine_pull`` the steps run twice: first with every address pulled back towards ``V0``
+    each step, then, from there, without the pull. The second run moves only the slots the pull
+    left short of their margins (a slot's loss is its own, and one that meets its margin has no
+    gradient), so every other slot keeps its place near its stage-2 address. The loss curve is
+    both runs'."""
+    if cfg.refine_pull <= 0:
+        return _refine(V0, V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
+    pulled = parts.get("pulled") if parts is not None else None
+    if pulled is None:
+        V1, first = _refine(V0, V0, cfg.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts,
+                            "progress-pulled")
+        if parts is not None:
+            parts.put("pulled", {"V": V1.cpu(), "losses": torch.tensor(first, dtype=torch.float64)})
+    else:
+        V1, first = pulled["V"].to(V0.device), pulled["losses"].tolist()
+    V, rest = _refine(V1, V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
+    return V, first + rest
+
+
+def _refine(V_start: torch.Tensor, V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: torch.Tensor,
+            negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig, soft: torch.Tensor | None,
+            parts: PartStore | None, progress: str) -> tuple[torch.Tensor, list[float]]:
+    """One run of :func:`refine_addresses`' steps from ``V_start``, each step moving the addresses
+    ``refine_lr * pull`` of the way back to ``V0``; its state saved as ``progress`` in ``parts``."""
     soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
     n = V0.shape[0]
     norms = V0.norm(dim=1, keepdim=True).clamp_min(1e-12)
     soft_phase = bool(soft.any()) and cfg.refine_soft_weight > 0
     soft_steps = (2 * cfg.refine_steps) // 3
-    V = V0.clone().requires_grad_(True)
+    V = V_start.clone().requires_grad_(True)
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0)
     margin = cfg.refine_margin * norms.squeeze(1)
     _check_settings(cfg)
     mining = _Mining(negatives, same_prompt, cfg)
     losses: list[float] = []
     hard_h, terms = None, None
-    first, at_remine = _resume(parts, V, opt, mining, losses)
-    bar = tqdm(range(first, cfg.refine_steps), total=cfg.refine_steps, initial=first,
-               desc="stage 4: address refinement", leave=False)
+    first, at_remine = _resume(parts, progress, V, opt, mining, losses)
+    desc = "stage 4: address refinement" + (", pulled to stage 2" if pull else "")
+    bar = tqdm(range(first, cfg.refine_steps), total=cfg.refine_steps, initial=first, desc=desc, leave=False)
     for step in bar:
         # the last third runs on the required anchors alone, from freshly mined negatives: it
         # restores the request's margin wherever the pull towards the paraphrases cost it
@@ -235,7 +260,7 @@ def refine_addresses(
         remine = hard_h is None or step % cfg.refine_remine_every == 0 or boundary
         if remine:
             if step > first and step % cfg.refine_remine_every == 0:
-                _save_progress(parts, step, V, opt, mining, losses, at_remine)
+                _save_progress(parts, progress, step, V, opt, mining, losses, at_remine)
             hard_h = mining.hardest(V, full=boundary or step % cfg.refine_full_remine_every == 0)
             terms = None
         if terms is None or boundary or (cfg.refine_active_every > 0 and step % cfg.refine_active_every == 0):
@@ -263,6 +288,8 @@ def refine_addresses(
         loss.backward()
         opt.step()
         with torch.no_grad():
+            if pull:
+                V.sub_(cfg.refine_lr * pull * (V - V0))
             V.mul_(norms / V.norm(dim=1, keepdim=True).clamp_min(1e-12))
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
@@ -272,6 +299,8 @@ def refine_addresses(
 def _check_settings(cfg: BuildConfig) -> None:
     if not 0.0 <= cfg.refine_flat_stop < 1.0:
         raise ValueError(f"refine_flat_stop must be in [0, 1), got {cfg.refine_flat_stop}")
+    if not 0.0 <= cfg.refine_lr * cfg.refine_pull < 1.0:
+        raise ValueError(f"refine_lr * refine_pull must be in [0, 1), got {cfg.refine_lr * cfg.refine_pull}")
     if cfg.refine_candidates < 0 or cfg.refine_full_remine_every < 1:
         raise ValueError("refine_candidates must be >= 0 and refine_full_remine_every >= 1, got "
                          f"{cfg.refine_candidates} and {cfg.refine_full_remine_every}")
@@ -309,9 +338,9 @@ class _Mining:
         return self.negatives.top(V, self.same_prompt, k, candidates=self.candidates)[1]
 
 
-def _save_progress(parts: PartStore | None, step: int, V: torch.Tensor, opt: torch.optim.Optimizer,
+def _save_progress(parts: PartStore | None, name: str, step: int, V: torch.Tensor, opt: torch.optim.Optimizer,
                    mining: _Mining, losses: list[float], at_remine: float | None) -> None:
-    """The refinement's state at the start of ``step`` (a re-mining step)."""
+    """The refinement's state at the start of ``step`` (a re-mining step), saved as ``name``."""
     if parts is None:
         return
     state = opt.state.get(V, {})
@@ -320,14 +349,14 @@ def _save_progress(parts: PartStore | None, step: int, V: torch.Tensor, opt: tor
     tensors.update({f"adam_{name}": torch.as_tensor(value) for name, value in state.items()})
     if mining.candidates is not None:
         tensors["candidates"] = mining.candidates
-    parts.put("progress", {name: t.cpu() for name, t in tensors.items()})
+    parts.put(name, {key: t.cpu() for key, t in tensors.items()})
 
 
-def _resume(parts: PartStore | None, V: torch.Tensor, opt: torch.optim.Optimizer, mining: _Mining,
+def _resume(parts: PartStore | None, name: str, V: torch.Tensor, opt: torch.optim.Optimizer, mining: _Mining,
             losses: list[float]) -> tuple[int, float | None]:
-    """Restore the state saved by :func:`_save_progress`; returns the step to go on from (0: none)
-    and the loss at the last re-mining."""
-    saved = parts.get("progress") if parts is not None else None
+    """Restore the state saved by :func:`_save_progress` as ``name``; returns the step to go on from
+    (0: none) and the loss at the last re-mining."""
+    saved = parts.get(name) if parts is not None else None
     if saved is None:
         return 0, None
     with torch.no_grad():
