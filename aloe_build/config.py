@@ -154,10 +154,11 @@ class BuildConfig:
     # weight of the paraphrase positives' own hinges (they stay out of the worst-anchor term, so
     # that a paraphrase the address cannot reach never makes its slot inseparable)
     refine_soft_weight: float = _at(4, 1.0)
-    # Each step also moves every address this fraction of refine_lr back towards its stage-2
-    # (encoder) address, as decoupled weight decay does towards zero: the refined address keeps
-    # more of the encoder's geometry, which carries rewordings, at the cost of slots that no
-    # longer clear every negative (0: off; docs/results.md, "Refinement held near the encoder")
+    # A first run of the steps also moves every address this fraction of refine_lr back towards
+    # its stage-2 (encoder) address each step, as decoupled weight decay does towards zero; a
+    # second run, without the pull, moves only the slots left short of their margins. The others
+    # keep more of the encoder's geometry, which carries rewordings (0: off; docs/results.md,
+    # "Refinement held near the encoder")
     refine_pull: float = _at(4, 0.0)
 
     # (5) calibration
