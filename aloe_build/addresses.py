@@ -213,23 +213,26 @@ def refine_addresses(
     re-mining is saved there, and an interrupted refinement resumes from the last one it reached
     with the same result.
 
-    With ``refine_pull`` the steps run twice: first with every address pulled back towards ``V0``
-    each step, then, from there, without the pull. The second run moves only the slots the pull
-    left short of their margins (a slot's loss is its own, and one that meets its margin has no
-    gradient), so every other slot keeps its place near its stage-2 address. The loss curve is
-    both runs'."""
+    With ``refine_pull`` the steps run twice from ``V0``: once with every address pulled back
+    towards ``V0`` each step, once without. A slot's loss is its own, so each slot takes its
+    pulled address where that one's worst anchor still clears its worst negative (it can be
+    calibrated as separable) and its free one elsewhere. The loss curve is the free run's. With
+    ``parts`` the pulled run is kept once done, and each run resumes on its own."""
     if cfg.refine_pull <= 0:
         return _refine(V0, V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
-    pulled = parts.get("pulled") if parts is not None else None
-    if pulled is None:
-        V1, first = _refine(V0, V0, cfg.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts,
-                            "progress-pulled")
+    # the pulled run first, kept whole once done, so that an interruption of the free run loses neither
+    saved = parts.get("pulled") if parts is not None else None
+    if saved is None:
+        V, _ = _refine(V0, V0, cfg.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts,
+                       "progress-pulled")
         if parts is not None:
-            parts.put("pulled", {"V": V1.cpu(), "losses": torch.tensor(first, dtype=torch.float64)})
+            parts.put("pulled", {"V": V.cpu()})
     else:
-        V1, first = pulled["V"].to(V0.device), pulled["losses"].tolist()
-    V, rest = _refine(V1, V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
-    return V, first + rest
+        V = saved["V"].to(V0.device)
+    free, losses = _refine(V0, V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
+    required = ~soft if soft is not None else torch.ones(anchors.shape[0], dtype=torch.bool, device=anchors.device)
+    keep = min_anchor_scores(V, anchors[required], anchor_owner[required]) > negatives.worst(V, same_prompt)
+    return torch.where(keep[:, None], V, free), losses
 
 
 def _refine(V_start: torch.Tensor, V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: torch.Tensor,

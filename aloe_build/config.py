@@ -154,11 +154,11 @@ class BuildConfig:
     # weight of the paraphrase positives' own hinges (they stay out of the worst-anchor term, so
     # that a paraphrase the address cannot reach never makes its slot inseparable)
     refine_soft_weight: float = _at(4, 1.0)
-    # A first run of the steps also moves every address this fraction of refine_lr back towards
-    # its stage-2 (encoder) address each step, as decoupled weight decay does towards zero; a
-    # second run, without the pull, moves only the slots left short of their margins. The others
-    # keep more of the encoder's geometry, which carries rewordings (0: off; docs/results.md,
-    # "Refinement held near the encoder")
+    # A second run of the steps that also moves every address this fraction of refine_lr back
+    # towards its stage-2 (encoder) address each step, as decoupled weight decay does towards zero;
+    # each slot keeps that address where it still separates its anchors from every negative, and
+    # the free one elsewhere. The kept ones hold more of the encoder's geometry, which carries
+    # rewordings (0: off; docs/results.md, "Refinement held near the encoder")
     refine_pull: float = _at(4, 0.0)
 
     # (5) calibration
