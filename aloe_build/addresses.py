@@ -218,34 +218,32 @@ def refine_addresses(
     pulled address where that one's worst anchor still clears its worst negative (it can be
     calibrated as separable) and its free one elsewhere. The loss curve is the free run's. With
     ``parts`` the pulled run is kept once done, and each run resumes on its own."""
+    soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
     if cfg.refine_pull <= 0:
-        return _refine(V0, V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
-    # the pulled run first, kept whole once done, so that an interruption of the free run loses neither
-    saved = parts.get("pulled") if parts is not None else None
-    if saved is None:
-        V, _ = _refine(V0, V0, cfg.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts,
+        return _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
+
+    def pulled_run() -> dict[str, torch.Tensor]:
+        V, _ = _refine(V0, cfg.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts,
                        "progress-pulled")
-        if parts is not None:
-            parts.put("pulled", {"V": V.cpu()})
-    else:
-        V = saved["V"].to(V0.device)
-    free, losses = _refine(V0, V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
-    required = ~soft if soft is not None else torch.ones(anchors.shape[0], dtype=torch.bool, device=anchors.device)
-    keep = min_anchor_scores(V, anchors[required], anchor_owner[required]) > negatives.worst(V, same_prompt)
+        return {"V": V.cpu()}
+
+    # the pulled run first, kept whole once done, so that an interruption of the free run loses neither
+    V = (parts.cached("pulled", pulled_run)[0] if parts is not None else pulled_run())["V"].to(V0.device)
+    free, losses = _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
+    keep = min_anchor_scores(V, anchors[~soft], anchor_owner[~soft]) > negatives.worst(V, same_prompt)
     return torch.where(keep[:, None], V, free), losses
 
 
-def _refine(V_start: torch.Tensor, V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: torch.Tensor,
-            negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig, soft: torch.Tensor | None,
+def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: torch.Tensor,
+            negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig, soft: torch.Tensor,
             parts: PartStore | None, progress: str) -> tuple[torch.Tensor, list[float]]:
-    """One run of :func:`refine_addresses`' steps from ``V_start``, each step moving the addresses
-    ``refine_lr * pull`` of the way back to ``V0``; its state saved as ``progress`` in ``parts``."""
-    soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
+    """One run of :func:`refine_addresses`' steps from ``V0``, each step moving the addresses
+    ``refine_lr * pull`` of the way back to it; its state saved as ``progress`` in ``parts``."""
     n = V0.shape[0]
     norms = V0.norm(dim=1, keepdim=True).clamp_min(1e-12)
     soft_phase = bool(soft.any()) and cfg.refine_soft_weight > 0
     soft_steps = (2 * cfg.refine_steps) // 3
-    V = V_start.clone().requires_grad_(True)
+    V = V0.clone().requires_grad_(True)
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0)
     margin = cfg.refine_margin * norms.squeeze(1)
     _check_settings(cfg)
