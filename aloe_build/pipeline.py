@@ -294,7 +294,9 @@ class _Build:
         V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"))
         info = {"steps": len(losses), "loss_first": losses[0] if losses else None,
                 "loss_last": losses[-1] if losses else None,
-                "loss_at_remine": losses[:: self.cfg.refine_remine_every]}
+                "loss_at_remine": losses[:: self.cfg.refine_remine_every],
+                # how far refinement turned the encoder's addresses (refine_pull keeps them closer)
+                "cosine_to_stage2_mean": float(torch.nn.functional.cosine_similarity(V, V0, dim=1).mean())}
         return {"V": V.cpu()}, info
 
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
