@@ -77,6 +77,10 @@ class BuildConfig:
     # and to every request; their states are negatives too (a request's own continuation excepted),
     # so that slots stay shut on the tokens a model writes
     negative_continuation_tokens: int = _at(3, 16)
+    # generic questions about corpus subjects (questions.QUESTION_FRAMES; every other one a lower-case
+    # query without its question mark) in the shared pool with their continuations, so that a slot
+    # stays shut on the question marks of unrelated questions and the answers that follow (0: none)
+    negatives_questions: int = _at(3, 800)
     # precision of the forward passes that make each edit's negatives (the request continuations,
     # the chat answers, the edit's own negative prompts): "bfloat16" runs them under autocast, which
     # on CPUs with AMX is about three times faster; the anchors and the shared pool stay in the

@@ -2,8 +2,8 @@
 
 Anchors are states along the teacher-forced target (the states the edited
 model passes through while it generates the target) and at the last token of
-the request after corpus statements. Negatives are corpus prompts at every
-position and their greedy continuations (shared by every edit, cached per
+the request after corpus statements. Negatives are corpus prompts and generic
+questions at every position and their greedy continuations (shared by every edit, cached per
 model, layer and corpus), the unedited model's continuations of every request, and
 prompts made for each edit: the request's earlier positions, same-subject
 other-relation prompts, same-relation other-subject prompts, the stream's
@@ -28,6 +28,7 @@ from .chunked import chunked_states, chunked_tokens_and_states
 from .config import BuildConfig
 from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
 from .forward import Tick, generate_with_states, in_precision, teacher_forced
+from .questions import QUESTIONS_VERSION, generic_questions
 from .slots import Slot
 from .states import StateBatch
 from .system_prompts import GENERIC_SYSTEM_PROMPTS
@@ -183,9 +184,14 @@ def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
+def shared_question_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
+    """The generic questions of the shared pool, about corpus subjects (see :mod:`.questions`)."""
+    return generic_questions(corpus.subjects, cfg.negatives_questions)
+
+
 def pool_prompt_prefixes(tokenizer, corpus: Corpus, cfg: BuildConfig) -> set[tuple[int, ...]]:
     """Every token prefix of the shared pool's prompts: their states are negatives of every slot."""
-    return {tuple(ids[: t + 1]) for text in shared_negative_texts(corpus, cfg)
+    return {tuple(ids[: t + 1]) for text in shared_negative_texts(corpus, cfg) + shared_question_texts(corpus, cfg)
             for ids in [encode_prompt(tokenizer, text)] for t in range(len(ids))}
 
 
@@ -203,17 +209,23 @@ def _cached_states(file: Path, compute) -> torch.Tensor:
 
 def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
     """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
-    and of their greedy continuations: negatives for every edit. They depend only on the model,
-    layer and corpus items, so they are cached (see pipeline.negatives_cache_dir) and shared by every
-    build. With chat positives, the chat-form pool (:func:`shared_chat_negatives`) is added."""
-    def compute() -> torch.Tensor:
-        texts = shared_negative_texts(corpus, cfg)
+    and generic questions, and of their greedy continuations: negatives for every edit. They depend
+    only on the model, layer and corpus items, so they are cached (see pipeline.negatives_cache_dir)
+    and shared by every build. With chat positives, the chat-form pool (:func:`shared_chat_negatives`)
+    is added."""
+    def continued_states(texts: list[str], desc: str) -> torch.Tensor:
         prompts = [encode_prompt(tokenizer, t) for t in texts]
         return continued(model, tokenizer, prompts, cfg.negative_continuation_tokens, layer, cfg.batch_size,
-                         "stage 3: shared negatives and their continuations", starts=[0] * len(prompts))[1].states
+                         desc, starts=[0] * len(prompts))[1].states
 
-    pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{cfg.negative_continuation_tokens}"
-                                 ".safetensors", compute)
+    tokens = cfg.negative_continuation_tokens
+    pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{tokens}.safetensors",
+                          lambda: continued_states(shared_negative_texts(corpus, cfg),
+                                                   "stage 3: shared negatives and their continuations"))
+    if cfg.negatives_questions > 0:
+        name = f"negatives-questions-{cfg.negatives_questions}-c{tokens}-v{QUESTIONS_VERSION}.safetensors"
+        pool = torch.cat([pool, _cached_states(path / name, lambda: continued_states(
+            shared_question_texts(corpus, cfg), "stage 3: generic questions and their continuations"))])
     if cfg.positives_chat and cfg.negatives_chat_pool > 0:
         pool = torch.cat([pool, shared_chat_negatives(model, tokenizer, layer, path, corpus, cfg)])
     return pool

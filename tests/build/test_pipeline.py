@@ -38,8 +38,8 @@ def _tiny_corpus(path, rephrase=lambda i, j, prompt: "the " + prompt):
 def _tiny_cfg(tmp_path, **kw):
     base = dict(layer=1, encoder_corpus=str(_tiny_corpus(tmp_path / "corpus.jsonl")), encoder_records=40,
                 encoder_dim=8, encoder_steps=20, encoder_batch=8, encoder_cache=str(tmp_path / "enc"),
-                negative_pool_records=10, refine_steps=30, refine_remine_every=10, target_steps=5, target_batch=4,
-                finetune_steps=3, finetune_batch=2, calibration_steps=10, compute_dtype="float32")
+                negative_pool_records=10, negatives_questions=6, refine_steps=30, refine_remine_every=10, target_steps=5,
+                target_batch=4, finetune_steps=3, finetune_batch=2, calibration_steps=10, compute_dtype="float32")
     base.update(kw)
     return BuildConfig(**base)
 
@@ -307,7 +307,7 @@ def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeyp
     monkeypatch.setattr(rollouts, "continued", counting)
     for i, kw in enumerate([dict(encoder_steps=20), dict(encoder_steps=21, encoder_margin=0.3), dict(encoder_records=30)]):
         build_operator(model, tok, edits, _tiny_cfg(tmp_path, **kw), out_dir=tmp_path / f"r{i}", log=None)
-    pools = sorted(p.parent.name for p in (tmp_path / "enc" / "negatives").glob("*/negatives-*.safetensors"))
+    pools = sorted(p.parent.name for p in (tmp_path / "enc" / "negatives").glob("*/negatives-[0-9]*.safetensors"))
     assert len(pools) == 2 and len(made) == 2  # the second build read the first one's pool
 
 
@@ -428,7 +428,7 @@ def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     from aloe_build.tokens import encode_prompt
 
     tok = tiny_tokenizer()
-    cfg = _tiny_cfg(tmp_path, positives_prefixed=0)
+    cfg = _tiny_cfg(tmp_path, positives_prefixed=0, negatives_questions=0)
     corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
     slots = make_slots(_edits())
     seqs = rollouts.token_sequences(tok, slots, corpus, cfg)
@@ -716,3 +716,37 @@ def test_encoder_cache_key_follows_the_corpus_content_not_its_path(tmp_path):
     assert here.stat().st_size == there.stat().st_size
     assert cache_key("w", 1, here, cfg) != cache_key("w", 1, there, cfg)
     assert cache_key("w", 1, here, cfg, corpus_only=True) != cache_key("w", 1, there, cfg, corpus_only=True)
+
+
+def test_generic_questions_and_their_continuations_are_shared_negatives(tmp_path):
+    """With ``negatives_questions``, the pool holds the states of generic questions about corpus
+    subjects at every position of the question and of the unedited model's continuation; a
+    question-form request's own prefixes are not made its negatives twice; none without them."""
+    from safetensors.torch import load_file
+
+    from aloe_build.questions import QUESTION_FRAMES
+    from aloe_build.states import collect_states
+    from aloe_build.tokens import encode_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    pools = {}
+    for n in (0, 3):
+        out = tmp_path / f"q{n}"
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, negatives_questions=n, negative_continuation_tokens=3),
+                       out_dir=out, log=None)
+        pools[n] = load_file(str(out / "checkpoints" / "3_rollouts.safetensors"))["pool"]
+    subjects = sorted(set(_SUBJECTS))
+    # three questions over ten subjects: every third one
+    asked = [QUESTION_FRAMES[0].format(subjects[0]), QUESTION_FRAMES[1].format(subjects[3])[:-1].lower(),
+             QUESTION_FRAMES[2].format(subjects[6])]
+    added = 0
+    for text in asked:
+        ids = encode_prompt(tok, text)
+        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=3, do_sample=False, pad_token_id=1, eos_token_id=None)[0].tolist()
+        full = gen[: gen.index(2, len(ids))] if 2 in gen[len(ids):] else gen  # cut before <eos>
+        want = collect_states(model, tok, [full], 1, [range(len(full))]).states
+        assert _rows_contain(pools[3], want) and not _rows_contain(pools[0], want)
+        added += len(full)
+    assert pools[3].shape[0] == pools[0].shape[0] + added

@@ -342,8 +342,8 @@ def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
 
 SMOL_EDITS = 20
 # A light build (small encoder corpus, few steps) so that the fixture takes about a minute.
-SMOL_BUILD = dict(encoder_records=300, encoder_steps=150, negative_pool_records=100, refine_steps=300,
-                  finetune_steps=20, finetune_batch=20)
+SMOL_BUILD = dict(encoder_records=300, encoder_steps=150, negative_pool_records=100, negatives_questions=100,
+                  refine_steps=300, finetune_steps=20, finetune_batch=20)
 
 
 @pytest.fixture(scope="module")
