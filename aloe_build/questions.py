@@ -5,7 +5,8 @@ closing question mark. Every other question ends there too, and a question typed
 query ("when did the afl start") gets its question mark from the model, as the first token of
 the answer. The construction corpus holds statements, so without these a slot learns nothing
 about the question marks of unrelated questions, and a gate widened towards rewordings opens on
-them and writes its target into the answer (zsRE locality, docs/results.md, "Generic questions").
+them and writes its target into the answer (zsRE locality, docs/results.md, "Generic questions as shared
+negatives").
 
 The frames are asked about construction-corpus subjects, never about the stream's, and written
 without reference to any benchmark's relations: they are negatives shared by every edit

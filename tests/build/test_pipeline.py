@@ -198,6 +198,13 @@ def _rows_contain(rows, states, atol=1e-5):
     return bool(((rows[None, :, :] - states[:, None, :]).abs().amax(-1) < atol).any(1).all())
 
 
+def _greedy_continued(model, ids: list[int], tokens: int) -> list[int]:
+    """``ids`` followed by the tiny model's greedy continuation of ``tokens`` tokens, cut before <eos>."""
+    gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=tokens, do_sample=False, pad_token_id=1, eos_token_id=None)[0].tolist()
+    return gen[: gen.index(2, len(ids))] if 2 in gen[len(ids):] else gen
+
+
 def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path):
     """Stage 3 adds (a) the states of the unedited model's greedy continuation of each request,
     negatives of every slot but their own, (b) the edit's subject under the other requests'
@@ -219,9 +226,7 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
     roll = load_file(str(tmp_path / "on" / "checkpoints" / "3_rollouts.safetensors"))
     for i, e in enumerate(edits):
         ids = encode_prompt(tok, e.prompt)
-        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=4, do_sample=False, pad_token_id=1, eos_token_id=None)[0].tolist()
-        full = gen[: gen.index(2, len(ids))] if 2 in gen[len(ids):] else gen  # cut before <eos>
+        full = _greedy_continued(model, ids, 4)
         want = collect_states(model, tok, [full], 1, [range(len(ids), len(full))]).states
         got = roll["continuations"][roll["continuation_owner"] == i]
         assert got.shape == want.shape and _rows_contain(got, want)
@@ -720,8 +725,8 @@ def test_encoder_cache_key_follows_the_corpus_content_not_its_path(tmp_path):
 
 def test_generic_questions_and_their_continuations_are_shared_negatives(tmp_path):
     """With ``negatives_questions``, the pool holds the states of generic questions about corpus
-    subjects at every position of the question and of the unedited model's continuation; a
-    question-form request's own prefixes are not made its negatives twice; none without them."""
+    subjects at every position of the question and of the unedited model's continuation, and
+    nothing else more than a build without them."""
     from safetensors.torch import load_file
 
     from aloe_build.questions import QUESTION_FRAMES
@@ -742,10 +747,7 @@ def test_generic_questions_and_their_continuations_are_shared_negatives(tmp_path
              QUESTION_FRAMES[2].format(subjects[6])]
     added = 0
     for text in asked:
-        ids = encode_prompt(tok, text)
-        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=3, do_sample=False, pad_token_id=1, eos_token_id=None)[0].tolist()
-        full = gen[: gen.index(2, len(ids))] if 2 in gen[len(ids):] else gen  # cut before <eos>
+        full = _greedy_continued(model, encode_prompt(tok, text), 3)
         want = collect_states(model, tok, [full], 1, [range(len(full))]).states
         assert _rows_contain(pools[3], want) and not _rows_contain(pools[0], want)
         added += len(full)
