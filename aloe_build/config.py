@@ -132,6 +132,11 @@ class BuildConfig:
     # each, with their answers: shared negatives, so that no slot opens on a system turn it was not
     # built under (one that does changes every answer served with it)
     negatives_chat_systems: int = _at(3, 32)
+    # With chat positives, this many generic questions (as negatives_questions makes them) asked
+    # through the template as well, after the default and the chat_systems prompts in turn, with
+    # their answers: a question-form request is addressed at the assistant header right after its
+    # question, where the corpus statements in chat form never reach
+    negatives_chat_questions: int = _at(3, 400)
 
     # (4) refinement (paper Eq. 5)
     refine_steps: int = _at(4, 3000)

@@ -8,8 +8,8 @@ model, layer and corpus), the unedited model's continuations of every request, a
 prompts made for each edit: the request's earlier positions, same-subject
 other-relation prompts, same-relation other-subject prompts, the stream's
 other templates and subjects, word-swapped templates and exclusion rewordings.
-With chat positives, corpus prompts and each edit's first own negatives are also
-asked through the chat template.
+With chat positives, corpus prompts, generic questions and each edit's first own
+negatives are also asked through the chat template.
 """
 
 from __future__ import annotations
@@ -238,15 +238,17 @@ QUESTIONS_PER_GENERIC_SYSTEM = 4
 def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig
                           ) -> torch.Tensor:
     """The requests and locality prompts of the first ``negatives_chat_pool`` corpus records asked
-    through the chat template, with the unedited model's answers: states at every position after the
-    template's shared header (that header once per system prompt): where a chat-form anchor's
-    neighbours lie. A few of them are asked again after each of the first ``negatives_chat_systems``
-    generic system prompts, whose headers hold the tokens that close a system turn."""
+    through the chat template, then ``negatives_chat_questions`` generic questions, with the
+    unedited model's answers: states at every position after the template's shared header (that
+    header once per system prompt): where a chat-form anchor's neighbours lie. A few of the corpus
+    texts are asked again after each of the first ``negatives_chat_systems`` generic system
+    prompts, whose headers hold the tokens that close a system turn."""
     systems = (None, *cfg.chat_systems)
     generic = GENERIC_SYSTEM_PROMPTS[: cfg.negatives_chat_systems]
 
     def compute() -> torch.Tensor:
         texts = list(dict.fromkeys(t for it in corpus.items[: cfg.negatives_chat_pool] for t in (it.request, it.locality)))
+        texts = list(dict.fromkeys(texts + generic_questions(corpus.subjects, cfg.negatives_chat_questions)))
         asked_after = [systems[k % len(systems)] for k in range(len(texts))]
         again = [texts[k % len(texts)] for k in range(len(generic) * QUESTIONS_PER_GENERIC_SYSTEM)] if texts else []
         texts += again
@@ -259,7 +261,8 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
         return continued(model, tokenizer, prompts, cfg.negatives_chat_answer_tokens, layer, cfg.batch_size,
                          "stage 3: chat negatives and their answers", starts=starts)[1].states
 
-    name = (f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negatives_chat_answer_tokens}-s{len(generic)}-"
+    questions = f"-q{cfg.negatives_chat_questions}v{QUESTIONS_VERSION}" if cfg.negatives_chat_questions > 0 else ""
+    name = (f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negatives_chat_answer_tokens}-s{len(generic)}{questions}-"
             f"{chat_template_key(tokenizer, (*cfg.chat_systems, *generic))}")
     return _cached_states(path / f"{name}.safetensors", compute)
 

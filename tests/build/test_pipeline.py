@@ -752,3 +752,34 @@ def test_generic_questions_and_their_continuations_are_shared_negatives(tmp_path
         assert _rows_contain(pools[3], want) and not _rows_contain(pools[0], want)
         added += len(full)
     assert pools[3].shape[0] == pools[0].shape[0] + added
+
+
+def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
+    """With ``negatives_chat_questions``: every position of each generic question asked through the
+    chat template (after its header) and of the unedited model's answer is in the chat-form pool;
+    with 0 none of the questions is."""
+    from aloe_build import rollouts
+    from aloe_build.corpus import load_corpus
+    from aloe_build.questions import generic_questions
+    from aloe_build.states import collect_states
+    from aloe_build.tokens import chat_header_length, chat_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    cfg = _tiny_cfg(tmp_path, positives_chat=True, negatives_chat_pool=2, negatives_chat_systems=0,
+                    negatives_chat_answer_tokens=3, negatives_chat_questions=3)
+    corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
+    with_questions = rollouts.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
+    cfg.negatives_chat_questions = 0
+    without = rollouts.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
+    head = chat_header_length(tok)
+    questions = generic_questions(corpus.subjects, 3)
+    assert len(questions) == 3 and any(not q.endswith("?") for q in questions)
+    for q in questions:
+        ids = chat_prompt(tok, q)
+        full = _greedy_continued(model, ids, 3)
+        want = collect_states(model, tok, [full], 1, [range(head, len(full))]).states
+        assert want.shape[0] > len(ids) - head
+        assert _rows_contain(with_questions, want)
+        assert not _rows_contain(without, want[len(ids) - head - 1: len(ids) - head])
+    assert with_questions.shape[0] > without.shape[0]
