@@ -523,20 +523,9 @@ def test_chat_builds_take_generic_system_headers_and_chat_answers_as_negatives(t
         assert _rows_contain(roll["pool"], header_states(system))
     assert not _rows_contain(roll["pool"], header_states(generic[2])[-1:])
 
-    def greedy(ids, n):
-        """The unedited model's greedy continuation, one full forward per token, cut before <eos>."""
-        out = list(ids)
-        for _ in range(n):
-            with torch.no_grad():
-                nxt = int(model(torch.tensor([out])).logits[0, -1].argmax())
-            if nxt == 2:
-                break
-            out.append(nxt)
-        return out
-
     for i, e in enumerate(edits):
         ids = chat_prompt(tok, e.prompt)
-        full = greedy(ids, 3)
+        full = _greedy_continued(model, ids, 3)
         want = collect_states(model, tok, [full], 1, [range(len(ids), len(full))]).states
         assert want.shape[0] > 0
         assert _rows_contain(roll["continuations"][roll["continuation_owner"] == i], want)
