@@ -12,13 +12,14 @@ import torch
 
 from aloe_build import EditDataError, load_edits
 from aloe_build.checkpoints import file_sha256
-from aloe_build.models import resolve_dtype
+from aloe_build.models import cache_root, resolve_dtype
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
-from aloe_eval.chat import SYSTEMS, chat_evaluation, chat_markdown
+from aloe_eval.chat import CHAT_ANSWERS_CACHE, SYSTEMS, chat_evaluation, chat_markdown
 from aloe_eval.chunks import ChunkStore
-from aloe_kernels import AloeOperator
+from aloe_kernels import AloeOperator, weight_fingerprint
 from aloe_kernels.errors import AloeError
+from aloe_kernels.hf import locate_down_proj
 
 from .options import DTYPE_CHOICES, add_device_args, load_model_for
 
@@ -148,11 +149,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: dict, out: Path) -> None:
     """The chat-form evaluation (:mod:`aloe_eval.chat`) into ``out/chat.json`` and ``out/chat.md``."""
     systems = {**SYSTEMS, **{f"system_{k + 1}": text for k, text in enumerate(args.chat_system or [])}}
-    # the answers are saved under OUT/parts as they come, so an interrupted run resumes there
-    context = {"operator": editor.op.fingerprint(), "model": str(args.model),
-               "model_dtype": str(next(model.parameters()).dtype), "operator_dtype": args.operator_dtype}
+    # the answers are saved under OUT/parts as they come, so an interrupted run resumes there; the
+    # unedited model's answers go to a cache that every evaluation of the same model reads
+    param = next(model.parameters())
+    model_context = {"weight": weight_fingerprint(locate_down_proj(model, editor.layer).weight()),
+                     "layer": editor.layer, "dtype": str(param.dtype), "device": param.device.type,
+                     "template": getattr(tokenizer, "chat_template", None)}
+    context = {"operator": editor.op.fingerprint(), "operator_dtype": args.operator_dtype}
     result = chat_evaluation(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
-                             systems=systems, parts=ChunkStore(out / PARTS_DIR), context=context)
+                             systems=systems, parts=ChunkStore(out / PARTS_DIR), context=context,
+                             model_context=model_context, unedited_parts=ChunkStore(cache_root() / CHAT_ANSWERS_CACHE))
     result["meta"] = meta
     out.mkdir(parents=True, exist_ok=True)
     (out / "chat.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
@@ -219,7 +225,8 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     add_device_args(p)
     p.add_argument("--chat", default="off", choices=("off", "also", "only"),
                    help="also (or only) ask each request through the model's chat template, with its default and "
-                        "with a custom system prompt (chat.json, chat.md)")
+                        "with a custom system prompt (chat.json, chat.md); the unedited model's answers are kept "
+                        "under $ALOE_CACHE/chat-answers (default ~/.cache/aloe) for the next evaluation")
     p.add_argument("--chat-system", action="append", metavar="TEXT",
                    help="with --chat: also ask after this system prompt (repeatable; reported as system_1, ...)")
     p.add_argument("--operator-dtype", default="served", choices=("served",) + DTYPE_CHOICES[1:],

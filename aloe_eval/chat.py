@@ -35,6 +35,8 @@ CHAT_TOKENS = 32
 ANSWERS_FORMAT = 1
 CUSTOM_SYSTEM = "You are a helpful assistant. Answer the question directly."
 SYSTEMS = {"default_system": None, "custom_system": CUSTOM_SYSTEM}
+#: Directory under ALOE's cache root where ``aloe eval --chat`` keeps the unedited model's answers.
+CHAT_ANSWERS_CACHE = "chat-answers"
 
 
 def _until_end(tokens: list[int], stops: set[int]) -> list[int]:
@@ -122,13 +124,16 @@ def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[l
 def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *, batch_size: int = 32,
                     progress: bool = True, systems: dict[str, str | None] | None = None,
                     tokens: int = CHAT_TOKENS, open_threshold: float = 0.5, parts: ChunkStore | None = None,
-                    context: Any = None) -> dict[str, Any]:
+                    context: Any = None, model_context: Any = None,
+                    unedited_parts: ChunkStore | None = None) -> dict[str, Any]:
     """Score ``editor`` on ``requests`` in chat form, once per system prompt (see the module doc).
 
     With ``parts`` each list of answers is saved there as soon as it is generated, keyed by
-    ``context`` (what identifies the model and the editor: an operator's fingerprint), the system
-    prompt, the questions and ``tokens``; an interrupted evaluation reads them back instead of
-    generating them again."""
+    ``model_context`` (what identifies the model), ``context`` (what identifies the editor: an
+    operator's fingerprint), the system prompt, the questions and ``tokens``; an interrupted
+    evaluation reads them back instead of generating them again. The unedited model's answers do not
+    depend on the editor: they are keyed without ``context`` and kept in ``unedited_parts`` when
+    given (a cache shared by every evaluation of the model), else in ``parts``."""
     systems = SYSTEMS if systems is None else systems
     out: dict[str, Any] = {"tokens": tokens, "edits": len(requests)}
     for name, system in systems.items():
@@ -136,19 +141,23 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
         loc_owner = [i for i, r in enumerate(requests) for _ in r.locality]
         locs = [lp.prompt for r in requests for lp in r.locality]
 
-        def answers(desc: str, questions=asks) -> list[list[int]]:
-            key = content_key([ANSWERS_FORMAT, context, desc, system, tokens, list(questions)])
-            file = f"chat-{content_key([name, desc])}"
-            saved = parts.read(file, key) if parts is not None else None
+        def answers(desc: str, questions=asks, edited: bool = True) -> list[list[int]]:
+            key = content_key([ANSWERS_FORMAT, model_context, context if edited else None, desc, system, tokens,
+                               list(questions)])
+            # an edited list has one file per evaluation; an unedited one, one per key (the store may be shared)
+            file = f"chat-{content_key([name, desc])}" if edited else f"chat-unedited-{key}"
+            store = parts if edited or unedited_parts is None else unedited_parts
+            saved = store.read(file, key) if store is not None else None
             if saved is not None:
                 return saved["answers"]
             got = chat_answers(model, tokenizer, questions, system, tokens=tokens, batch_size=batch_size,
                                progress=progress, desc=f"chat ({name}): {desc}")
-            if parts is not None:
-                parts.write(file, key, {"answers": got})
+            if store is not None:
+                store.write(file, key, {"answers": got})
             return got
 
-        base_ask, base_loc = answers("unedited requests"), answers("unedited locality", locs)
+        base_ask = answers("unedited requests", edited=False)
+        base_loc = answers("unedited locality", locs, edited=False)
         editor.attach(model)
         try:
             ask, loc = answers("edited requests"), answers("edited locality", locs)

@@ -247,7 +247,8 @@ def test_chat_template_gates_count_the_prompts_where_a_slot_opens():
 def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
     """With a part store each answer list is saved as it is generated: a run stopped at its third
     list keeps the first two, the rerun generates only the rest and gives the uninterrupted result;
-    another context (editor) generates everything again."""
+    another editor generates its own answers again but reads the unedited model's, another model
+    context generates everything."""
     import aloe_eval.chat as chat
     from aloe_eval.chunks import ChunkStore
 
@@ -278,5 +279,35 @@ def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeyp
     assert resumed == whole
 
     calls.clear()
-    chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-b", **run)
+    other_editor = chat_evaluation(model, tok, reqs, ForceToken(6), parts=store, context="op-b", **run)
+    assert calls == ["chat (default_system): edited requests", "chat (default_system): edited locality"]
+    assert other_editor == chat_evaluation(model, tok, reqs, ForceToken(6), **run)
+
+    calls.clear()
+    chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-a", model_context="other", **run)
     assert len(calls) == 4
+
+
+def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatch):
+    """The unedited answers go to ``unedited_parts`` (a cache shared by evaluations): a second
+    evaluation with an empty part store of its own generates only the edited answers and gives the
+    result of an evaluation without any store."""
+    import aloe_eval.chat as chat
+    from aloe_eval.chunks import ChunkStore
+
+    model, tok = _setup()
+    questions = ["The capital of France is", "John Lennon plays the"]
+    reqs = [EditRequest(q, "Paris", "x", locality=[questions[1 - i]], id=str(i)) for i, q in enumerate(questions)]
+    run = dict(batch_size=2, progress=False, systems={"default_system": None}, model_context="m",
+               unedited_parts=ChunkStore(tmp_path / "cache"))
+    chat_evaluation(model, tok, reqs, ForceToken(5), parts=ChunkStore(tmp_path / "a"), context="op-a", **run)
+    assert len(list((tmp_path / "cache").glob("chat-unedited-*.json.gz"))) == 2
+    assert not list((tmp_path / "a").glob("chat-unedited-*"))
+
+    real, calls = chat.chat_answers, []
+    monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
+    got = chat_evaluation(model, tok, reqs, ForceToken(7), parts=ChunkStore(tmp_path / "b"), context="op-b", **run)
+    assert calls == ["chat (default_system): edited requests", "chat (default_system): edited locality"]
+    monkeypatch.setattr(chat, "chat_answers", real)
+    assert got == chat_evaluation(model, tok, reqs, ForceToken(7), batch_size=2, progress=False,
+                                  systems={"default_system": None})
