@@ -13,6 +13,7 @@ import torch
 from aloe_build import EditDataError, load_edits
 from aloe_build.checkpoints import file_sha256
 from aloe_build.models import cache_root, resolve_dtype
+from aloe_build.tokens import chat_template_key
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
 from aloe_eval.chat import CHAT_ANSWERS_CACHE, SYSTEMS, chat_evaluation, chat_markdown
@@ -154,7 +155,7 @@ def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: di
     param = next(model.parameters())
     model_context = {"weight": weight_fingerprint(locate_down_proj(model, editor.layer).weight()),
                      "layer": editor.layer, "dtype": str(param.dtype), "device": param.device.type,
-                     "template": getattr(tokenizer, "chat_template", None)}
+                     "template": chat_template_key(tokenizer)}
     context = {"operator": editor.op.fingerprint(), "operator_dtype": args.operator_dtype}
     result = chat_evaluation(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
                              systems=systems, parts=ChunkStore(out / PARTS_DIR), context=context,

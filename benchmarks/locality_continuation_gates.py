@@ -22,7 +22,7 @@ import torch
 
 from aloe_build.forward import greedy_generate
 from aloe_build.models import load_model
-from aloe_build.tokens import pad_id
+from aloe_build.tokens import encode_prompt, pad_id
 from aloe_eval.chat import changed_locality_gates
 from aloe_eval.editors import AloeEditor
 from aloe_kernels import AloeOperator
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     changed = [(x["prompt"], r["slot"]) for r in rows for x in r["locality_prompts"] if x["stable"] < 1]
     model, tokenizer = load_model(args.model)
     editor = AloeEditor(AloeOperator.load(args.operator))
-    prompts = [tokenizer(q)["input_ids"] for q, _ in changed]
+    prompts = [encode_prompt(tokenizer, q) for q, _ in changed]  # as the evaluation encodes them
     unedited = greedy_generate(model, prompts, args.tokens, pad_id=pad_id(tokenizer))
     editor.attach(model)
     try:

@@ -244,6 +244,12 @@ def test_chat_template_gates_count_the_prompts_where_a_slot_opens():
     assert got_default["closed"] == len(questions) - want_default
 
 
+def _two_requests() -> list[EditRequest]:
+    """Two requests, each the other's locality prompt."""
+    questions = ["The capital of France is", "John Lennon plays the"]
+    return [EditRequest(q, "Paris", "x", locality=[questions[1 - i]], id=str(i)) for i, q in enumerate(questions)]
+
+
 def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
     """With a part store each answer list is saved as it is generated: a run stopped at its third
     list keeps the first two, the rerun generates only the rest and gives the uninterrupted result;
@@ -253,8 +259,7 @@ def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeyp
     from aloe_eval.chunks import ChunkStore
 
     model, tok = _setup()
-    questions = ["The capital of France is", "John Lennon plays the"]
-    reqs = [EditRequest(q, "Paris", "x", locality=[questions[1 - i]], id=str(i)) for i, q in enumerate(questions)]
+    reqs = _two_requests()
     run = dict(batch_size=2, progress=False, systems={"default_system": None})
     whole = chat_evaluation(model, tok, reqs, ForceToken(5), **run)
 
@@ -296,8 +301,7 @@ def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatc
     from aloe_eval.chunks import ChunkStore
 
     model, tok = _setup()
-    questions = ["The capital of France is", "John Lennon plays the"]
-    reqs = [EditRequest(q, "Paris", "x", locality=[questions[1 - i]], id=str(i)) for i, q in enumerate(questions)]
+    reqs = _two_requests()
     run = dict(batch_size=2, progress=False, systems={"default_system": None}, model_context="m",
                unedited_parts=ChunkStore(tmp_path / "cache"))
     chat_evaluation(model, tok, reqs, ForceToken(5), parts=ChunkStore(tmp_path / "a"), context="op-a", **run)
