@@ -26,6 +26,11 @@ from .states import StateBatch
 #: Sequences per saved chunk: a few minutes of work on two CPU cores.
 CHUNK_SEQUENCES = 2048
 
+#: Sequences per forward pass of a chunked state collection, as a multiple of ``batch_size``: most
+#: run on a cached prefix, so their rests are a few tokens each and a pass of ``batch_size`` of
+#: them makes products too small to be efficient (docs/results.md, "Build cost").
+STATES_BATCH_MULTIPLE = 4
+
 
 def _chunks(n: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + CHUNK_SEQUENCES)) for lo in range(0, n, CHUNK_SEQUENCES)]
@@ -57,7 +62,8 @@ def _pieces(parts: PartStore | None, name: str, n: int, desc: str,
 
 def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequences: Sequence[Sequence[int]],
                    layer: int, positions: Sequence[Sequence[int]] | None, batch_size: int, desc: str) -> StateBatch:
-    """:func:`aloe_build.states.collect_states` chunk by chunk, filling one preallocated result.
+    """:func:`aloe_build.states.collect_states` chunk by chunk, filling one preallocated result,
+    ``batch_size * STATES_BATCH_MULTIPLE`` sequences per pass.
 
     The sequences are taken in sorted order, so that those with a common beginning fall in one
     chunk and share its pass (:mod:`aloe_build.shared_prefix`)."""
@@ -70,8 +76,8 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
     def compute(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
         idx = order[lo:hi]
         got = collect_states_shared(model, tokenizer, [sequences[i] for i in idx], layer,
-                                    None if positions is None else [positions[i] for i in idx], batch_size,
-                                    tick=tick)
+                                    None if positions is None else [positions[i] for i in idx],
+                                    batch_size * STATES_BATCH_MULTIPLE, tick=tick)
         return {"states": got.states}
 
     # the parts of the sorted order have their own name: chunks saved in another order are not read back

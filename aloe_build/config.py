@@ -107,6 +107,10 @@ class BuildConfig:
     # Context positives: the request after this many true statements of the construction corpus,
     # required anchors at the last prompt token, so that an edit fires after unrelated text
     positives_prefixed: int = _at(3, 4)
+    # ... drawn from this many corpus statements, picked once per build (0: from all of them), so
+    # that one statement stands before many requests and runs through the model once for all of
+    # them (stage 3 shares prefixes); each request still gets its own random few
+    positives_prefix_pool: int = _at(3, 256)
     # Chat positives: the request as the user turn of the model's chat template (its default
     # system prompt), the target as the start of the answer; required anchors along the target and
     # training sequences of the writes, so that an edit fires as a served chat model is asked
@@ -190,6 +194,10 @@ class BuildConfig:
     # produced greedily (some target token not the argmax); the others keep their delta
     target_max_steps: int = _at(6, 50)
     target_lr: float = _at(6, 0.5)
+    # an edit also leaves its batch before target_steps once its target is produced and its mean
+    # target NLL is at most this (0: never before target_steps); at 0.02, 0.63 of the edit-steps
+    # of the 1,301-edit CounterFact build (docs/results.md, "Build cost")
+    target_stop_nll: float = _at(6, 0.02)
     # L2 weight on each write target: higher values keep writes smaller and locality higher at
     # some cost in generalization; too high a value holds targets short of being produced
     target_l2: float = _at(6, 1e-4)

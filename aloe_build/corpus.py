@@ -99,10 +99,20 @@ class Corpus:
         others = [t for t in self.templates.get(group, []) if t != template] if group is not None else []
         return [t.replace("{}", subject) for t in rng.sample(others, min(k, len(others)))]
 
-    def prefixed_prompts(self, prompt: str, k: int, rng: random.Random) -> list[str]:
-        """``prompt`` after ``k`` different corpus statements ("<statement> <prompt>", as many as the
-        corpus has): the request in context, which must still reach the edit."""
-        picked = rng.sample(self.statements, min(k, len(self.statements)))
+    def statement_pool(self, size: int, rng: random.Random) -> list[str]:
+        """``size`` corpus statements drawn at random (all of them, in order, when ``size`` is 0 or
+        at least their number): the statements a build puts before its requests."""
+        if size <= 0 or size >= len(self.statements):
+            return list(self.statements)
+        return rng.sample(self.statements, size)
+
+    def prefixed_prompts(self, prompt: str, k: int, rng: random.Random,
+                         statements: Sequence[str] | None = None) -> list[str]:
+        """``prompt`` after ``k`` different statements ("<statement> <prompt>", as many as there are)
+        of ``statements`` (default: every corpus statement): the request in context, which must still
+        reach the edit."""
+        pool = self.statements if statements is None else statements
+        picked = rng.sample(list(pool), min(k, len(pool)))
         return [f"{text} {prompt}" for text in picked]
 
     def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:

@@ -107,8 +107,9 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
     # The request after corpus statements: the edit must fire whatever text comes before it, so
     # these anchors are required like the request's own.
     prefix_rng = random.Random(cfg.seed + 3)
+    statements = corpus.statement_pool(cfg.positives_prefix_pool, prefix_rng) if cfg.positives_prefixed > 0 else []
     for i, s in enumerate(slots):
-        for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng):
+        for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng, statements):
             seqs.add(encode_prompt(tokenizer, text), i, soft=False, along=False)
     return seqs
 

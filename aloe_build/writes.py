@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,8 +54,8 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     (``steps_mean``, ``steps_max``) and how many batches ran past ``target_steps``
     (``batches_past_target_steps``), over the batches that recorded them.
     """
-    if cfg.target_l2 < 0 or cfg.target_steps < 0 or cfg.target_max_steps < 0:
-        raise ValueError("target_l2, target_steps and target_max_steps must be >= 0")
+    if min(cfg.target_l2, cfg.target_steps, cfg.target_max_steps, cfg.target_stop_nll) < 0:
+        raise ValueError("target_l2, target_steps, target_max_steps and target_stop_nll must be >= 0")
     n = fwd.n_slots
     rows_of = [[i] for i in range(n)] if rows_of is None else [list(r) for r in rows_of]
     if len(rows_of) != n or not all(rows_of):
@@ -133,14 +134,16 @@ def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig
         out[live] = delta.detach()[live].float().cpu()
         nll_out[live] = nll.detach().float().cpu()
         produced[live] = exact
-        if step >= cfg.target_steps:
-            keep = ~exact
-            if not keep.any() or step >= cfg.target_max_steps:
-                break
-            if not keep.all():  # some edits left: a smaller batch from here on
-                live = [b for b, k in zip(live, keep.tolist()) if k]
-                rows, at, count, g = flatten(live)
-                nll = nll[keep.to(nll.device)]
+        # produced edits leave: after target_steps every one, before it those whose NLL is at most
+        # target_stop_nll (none when that is 0)
+        limit = math.inf if step >= cfg.target_steps else (cfg.target_stop_nll or -math.inf)
+        keep = ~(exact & (nll.detach().cpu() <= limit))
+        if not keep.any() or step >= max(cfg.target_steps, cfg.target_max_steps):
+            break
+        if not keep.all():  # some edits left: a smaller batch from here on
+            live = [b for b, k in zip(live, keep.tolist()) if k]
+            rows, at, count, g = flatten(live)
+            nll = nll[keep.to(nll.device)]
         loss = nll.sum() + cfg.target_l2 * (delta[live] ** 2).sum()
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 6 (write targets): loss became NaN/Inf")

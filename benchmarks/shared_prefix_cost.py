@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sequences", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, help="sequences per forward pass")
     ap.add_argument("--ways", default="plain,shared,shared-bfloat16",
-                    help="comma-separated, of plain, shared, shared-bfloat16, shared-int8 (the first is the reference)")
+                    help="comma-separated, of plain, shared, shared-bfloat16, shared-int8, each with an optional :B "
+                         "for B sequences per pass instead of --batch-size (the first is the reference)")
     args = ap.parse_args(argv)
     cfg = BuildConfig()
     model, tok = load_model(args.model)
@@ -72,16 +73,17 @@ def main(argv: list[str] | None = None) -> None:
     ways = {"plain": (collect_states, "float32"), "shared": (collect_states_shared, "float32"),
             "shared-bfloat16": (collect_states_shared, "bfloat16"), "shared-int8": (collect_states_shared, "int8")}
     chosen = args.ways.split(",")
-    unknown = [w for w in chosen if w not in ways]
+    unknown = [w for w in chosen if w.split(":")[0] not in ways]
     if unknown:
-        ap.error(f"unknown ways {unknown}; use {', '.join(ways)}")
+        ap.error(f"unknown ways {unknown}; use {', '.join(ways)}, each with :B for B sequences per pass")
     reference = None
     for name in chosen:
-        fn, precision = ways[name]
+        way, _, batch = name.partition(":")
+        fn, precision = ways[way]
         runner = int8_copy(model, layer) if precision == "int8" else model
         t0 = time.perf_counter()
         with in_precision(model, "float32" if precision == "int8" else precision):
-            got = fn(runner, tok, spec, layer, pos, args.batch_size)
+            got = fn(runner, tok, spec, layer, pos, int(batch) if batch else args.batch_size)
         seconds = time.perf_counter() - t0
         if reference is None:
             reference = (seconds, got.states)

@@ -102,6 +102,26 @@ class _RecordingBar:
         return False
 
 
+def test_chunked_states_pass_a_multiple_of_the_batch_size(tmp_path, monkeypatch):
+    """Each pass takes ``batch_size * STATES_BATCH_MULTIPLE`` sequences (short rests on a cached
+    prefix make small products otherwise), and the states stay those of one plain pass."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (19,), generator=g)]
+    asked = []
+    real = chunked.collect_states_shared
+
+    def recording(*args, **kwargs):
+        asked.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "collect_states_shared", recording)
+    monkeypatch.setattr(chunked, "STATES_BATCH_MULTIPLE", 2)
+    got = chunked.chunked_states(None, "x", model, tok, seqs, 1, None, 3, "test")
+    assert asked == [6]
+    torch.testing.assert_close(got.states, collect_states(model, tok, seqs, 1, None, 3).states, rtol=1e-5, atol=1e-6)
+
+
 def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_path, monkeypatch):
     """Chunks of 8 sequences in batches of 3: the bar moves batch by batch (not once per chunk), its
     updates add up to the sequences computed, and a resumed pass starts it at the saved ones."""
@@ -109,6 +129,7 @@ def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_pat
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (19,), generator=g)]
     monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 8)
+    monkeypatch.setattr(chunked, "STATES_BATCH_MULTIPLE", 1)
     monkeypatch.setattr(chunked, "tqdm", _RecordingBar)
     _RecordingBar.made.clear()
     chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, 3, "test")

@@ -71,3 +71,24 @@ def test_prefixed_prompts_draw_statements_as_a_plain_sample() -> None:
     corpus = load_corpus(None, 400, 2, 0)[0]
     assert corpus.prefixed_prompts("x", 4, random.Random(3)) == \
         [f"{t} x" for t in random.Random(3).sample(corpus.statements, 4)]
+
+
+def test_statement_pool_is_a_sample_of_the_corpus_statements_and_requests_draw_from_it() -> None:
+    """A build's statements before its requests: ``size`` distinct corpus statements (all of them,
+    in order, for 0 or more than there are); each request gets distinct ones of that pool."""
+    import random
+
+    from aloe_build.corpus import load_corpus
+
+    corpus = load_corpus(None, 60, 2, 0)[0]
+    pool = corpus.statement_pool(7, random.Random(1))
+    assert len(pool) == len(set(pool)) == 7 and set(pool) <= set(corpus.statements)
+    assert corpus.statement_pool(0, random.Random(1)) == corpus.statements
+    assert corpus.statement_pool(10_000, random.Random(1)) == corpus.statements
+    rng = random.Random(2)
+    for prompt in ("The capital of France is", "Toko Yasuda plays the"):
+        got = corpus.prefixed_prompts(prompt, 3, rng, pool)
+        before = [text[: -len(prompt) - 1] for text in got]
+        assert all(text.endswith(f" {prompt}") for text in got)
+        assert len(set(before)) == 3 and set(before) <= set(pool)
+    assert len(corpus.prefixed_prompts("x", 50, rng, pool)) == 7

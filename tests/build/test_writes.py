@@ -158,6 +158,41 @@ def test_write_targets_keep_going_until_targets_are_produced():
     torch.testing.assert_close(nll, torch.tensor(nll_long), atol=1e-4, rtol=1e-4)
 
 
+def test_write_targets_let_a_produced_edit_leave_once_its_nll_is_low():
+    """``target_stop_nll``: before ``target_steps`` an edit leaves its batch once its target is produced
+    and its NLL is at most the setting, keeping the delta that did it; an edit never produced runs
+    every step, as it would without the setting (each delta has its own loss and Adam moments)."""
+    import dataclasses
+
+    from aloe_build.edited_forward import EditedForward
+    from aloe_build.writes import write_targets
+
+    model, tok, seqs, lens, op = _slot_per_sequence()
+    fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
+    full = BuildConfig(target_steps=60, target_max_steps=60, target_lr=0.05, target_batch=4)
+    early = dataclasses.replace(full, target_stop_nll=100.0)  # above any NLL here: leave once produced
+    stats = {}
+    with fwd.frozen():
+        d_full, nll_full, produced_full = write_targets(fwd, full)
+        d_early, nll_early, produced_early = write_targets(fwd, early, stats=stats)
+    rows = list(range(len(seqs)))
+    g = fwd.own_gates(rows)[..., None]
+    with torch.no_grad():
+        nll, exact = fwd.scored(rows, g * d_early[:, None, :])
+        _, exact_full = fwd.scored(rows, g * d_full[:, None, :])
+    torch.testing.assert_close(nll, torch.tensor(nll_early), atol=1e-4, rtol=1e-4)
+    assert 0 < produced_full < 1 and produced_early == produced_full
+    assert exact.tolist() == exact_full.tolist()
+    for i in rows:
+        if exact[i]:  # left early: a less trained delta, smaller and with a higher NLL
+            assert nll_early[i] > nll_full[i] + 1e-3 and d_early[i].norm() < d_full[i].norm()
+        else:  # never produced: every step, the same delta
+            torch.testing.assert_close(d_early[i], d_full[i], atol=1e-5, rtol=1e-4)
+    assert stats["steps_max"] == 60  # the edit never produced kept its batch going
+    with pytest.raises(ValueError, match="target_stop_nll"):
+        write_targets(fwd, dataclasses.replace(full, target_stop_nll=-1.0))
+
+
 def test_write_targets_fit_a_slot_on_all_its_sequences():
     """With ``rows_of`` a slot's delta is fitted on several of its sequences (a request and its
     chat form): the reported NLL is the mean over them under the returned delta, the slot counts as
