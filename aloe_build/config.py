@@ -195,8 +195,8 @@ class BuildConfig:
     target_max_steps: int = _at(6, 50)
     target_lr: float = _at(6, 0.5)
     # an edit also leaves its batch before target_steps once its target is produced and its mean
-    # target NLL is at most this (0: never before target_steps); at 0.02, 0.63 of the edit-steps
-    # of the 1,301-edit CounterFact build (docs/results.md, "Build cost")
+    # target NLL is at most this (0: never before target_steps); 0.02 took stage 6 of the 1,301-edit
+    # CounterFact build from 252 to 183 s at the same scores (docs/results.md, "On an AVX-512 CPU")
     target_stop_nll: float = _at(6, 0.02)
     # L2 weight on each write target: higher values keep writes smaller and locality higher at
     # some cost in generalization; too high a value holds targets short of being produced
