@@ -28,7 +28,7 @@ CHUNK_SEQUENCES = 2048
 
 #: Sequences per forward pass of a chunked state collection, as a multiple of ``batch_size``: most
 #: run on a cached prefix, so their rests are a few tokens each and a pass of ``batch_size`` of
-#: them makes products too small to be efficient (docs/results.md, "Build cost").
+#: them makes products too small to be efficient (docs/results.md, "On an AVX-512 CPU").
 STATES_BATCH_MULTIPLE = 4
 
 
