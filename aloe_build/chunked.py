@@ -20,16 +20,11 @@ from aloe_kernels.hf import locate_down_proj
 
 from .checkpoints import PartStore
 from .forward import Tick
-from .shared_prefix import collect_states_shared
 from .states import StateBatch
+from .token_tree import PACK_TOKENS, TREES_PER_PASS, collect_states_tree
 
 #: Sequences per saved chunk: a few minutes of work on two CPU cores.
 CHUNK_SEQUENCES = 2048
-
-#: Sequences per forward pass of a chunked state collection, as a multiple of ``batch_size``: most
-#: run on a cached prefix, so their rests are a few tokens each and a pass of ``batch_size`` of
-#: them makes products too small to be efficient (docs/results.md, "On an AVX-512 CPU").
-STATES_BATCH_MULTIPLE = 4
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
@@ -61,12 +56,13 @@ def _pieces(parts: PartStore | None, name: str, n: int, desc: str,
 
 
 def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequences: Sequence[Sequence[int]],
-                   layer: int, positions: Sequence[Sequence[int]] | None, batch_size: int, desc: str) -> StateBatch:
-    """:func:`aloe_build.states.collect_states` chunk by chunk, filling one preallocated result,
-    ``batch_size * STATES_BATCH_MULTIPLE`` sequences per pass.
+                   layer: int, positions: Sequence[Sequence[int]] | None, desc: str,
+                   pack_tokens: int = PACK_TOKENS, trees_per_pass: int = TREES_PER_PASS) -> StateBatch:
+    """:func:`aloe_build.states.collect_states` chunk by chunk, filling one preallocated result.
 
     The sequences are taken in sorted order, so that those with a common beginning fall in one
-    chunk and share its pass (:mod:`aloe_build.shared_prefix`)."""
+    chunk, where each distinct prefix runs once (:mod:`aloe_build.token_tree`, trees of
+    ``pack_tokens`` nodes, ``trees_per_pass`` per forward pass)."""
     keep = [len(s) if positions is None else len(positions[i]) for i, s in enumerate(sequences)]
     offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(keep, dtype=torch.long), 0)
@@ -75,9 +71,9 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
 
     def compute(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
         idx = order[lo:hi]
-        got = collect_states_shared(model, tokenizer, [sequences[i] for i in idx], layer,
-                                    None if positions is None else [positions[i] for i in idx],
-                                    batch_size * STATES_BATCH_MULTIPLE, tick=tick)
+        got = collect_states_tree(model, tokenizer, [sequences[i] for i in idx], layer,
+                                  None if positions is None else [positions[i] for i in idx],
+                                  pack_tokens, trees_per_pass, tick=tick)
         return {"states": got.states}
 
     # the parts of the sorted order have their own name: chunks saved in another order are not read back

@@ -197,9 +197,12 @@ class BuildConfig:
     target_lr: float = _at(6, 0.5)
     # an edit also leaves its batch before target_steps once its target is produced and its mean
     # target NLL is at most this (0: never before target_steps); 0.02 took stage 6 of the 1,301-edit
-    # CounterFact build from 252 to 183 s at the same scores (docs/results.md, "On an AVX-512 CPU"),
-    # but a light 20-edit build then produced 18 first target tokens of 20 instead of 19 or more
-    target_stop_nll: float = _at(6, 0.0)
+    # CounterFact build from 252 to 183 s, and CounterFact and zsRE scored the same with it
+    # (docs/results.md, "On an AVX-512 CPU" and "Stage 6 stops an edit early, on zsRE too")
+    target_stop_nll: float = _at(6, 0.02)
+    # precision of stage 6's forward and backward passes through the layers above the edited one:
+    # "bfloat16" runs them under autocast (the deltas, their Adam moments and the NLL stay float32)
+    targets_dtype: str = _at(6, "float32")
     # L2 weight on each write target: higher values keep writes smaller and locality higher at
     # some cost in generalization; too high a value holds targets short of being produced
     target_l2: float = _at(6, 1e-4)
@@ -233,7 +236,7 @@ class BuildConfig:
             raise ValueError("BuildConfig: chat_systems must be non-empty strings")
         from .forward import autocast_dtype  # the one list of pass precisions
 
-        for name in ("compute_dtype", "negatives_dtype"):
+        for name in ("compute_dtype", "negatives_dtype", "targets_dtype"):
             try:
                 autocast_dtype(getattr(self, name))
             except ValueError as err:

@@ -163,7 +163,7 @@ def along_target_anchors(model, tokenizer, prompts: list[list[int]], targets: li
     spans = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cap))) for p, t in zip(prompts, targets)]
     if keep_predicted or not prompts:
         return spans, chunked_states(parts, "anchors", model, tokenizer, [p + t for p, t in zip(prompts, targets)],
-                                     layer, spans, batch_size, "stage 3: anchor states")
+                                     layer, spans, "stage 3: anchor states")
 
     def predicted(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
         res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts[lo:hi], targets[lo:hi])],
@@ -376,8 +376,7 @@ def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """States of the prompts made for each edit and the slot each belongs to."""
     spec_seqs, spec_pos, spec_owner = edit_negative_sequences(tokenizer, slots, seqs, corpus, cfg, rng)
-    spec = chunked_states(parts, "edit_negatives", model, tokenizer, spec_seqs, layer, spec_pos, cfg.batch_size,
-                          "stage 3: edit negatives")
+    spec = chunked_states(parts, "edit_negatives", model, tokenizer, spec_seqs, layer, spec_pos, "stage 3: edit negatives")
     owner = torch.repeat_interleave(torch.tensor(spec_owner, dtype=torch.long), spec.offsets[1:] - spec.offsets[:-1])
     return spec.states, owner
 
@@ -403,7 +402,7 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
                                     seqs.targets + seqs.extra_targets[:r], layer, cfg.max_target_tokens,
                                     cfg.anchor_predicted_targets, cfg.batch_size, parts)
     last = chunked_states(parts, "prefixed_anchors", model, tokenizer, seqs.extra_prompts[r:], layer,
-                          [[len(p) - 1] for p in seqs.extra_prompts[r:]], cfg.batch_size, "stage 3: prefixed anchor states")
+                          [[len(p) - 1] for p in seqs.extra_prompts[r:]], "stage 3: prefixed anchor states")
     anchors = StateBatch(torch.cat([along.states, last.states]),
                          torch.cat([along.offsets, along.offsets[-1] + last.offsets[1:]]))
     pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg)

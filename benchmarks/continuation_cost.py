@@ -20,8 +20,8 @@ from aloe_build.config import BuildConfig
 from aloe_build.data import load_edits
 from aloe_build.forward import generate_with_states, greedy_generate
 from aloe_build.models import default_layer, load_model
-from aloe_build.shared_prefix import collect_states_shared
 from aloe_build.slots import make_slots
+from aloe_build.token_tree import collect_states_tree
 from aloe_build.tokens import encode_continuation, pad_id
 
 
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         if way == "generate-then-pass":
             gens = greedy_generate(model, prompts, args.tokens, pad_id=pad_id(tok), batch_size=batch_size)
             seqs = [p + g for p, g in zip(prompts, gens)]
-            states = collect_states_shared(model, tok, seqs, layer, [range(len(p), len(s)) for p, s in zip(prompts, seqs)],
-                                           batch_size).states
+            states = collect_states_tree(model, tok, seqs, layer, [range(len(p), len(s)) for p, s in zip(prompts, seqs)]
+                                         ).states
         elif way == "while-generating":
             gens, blocks = generate_with_states(model, prompts, args.tokens, layer, pad_id=pad_id(tok),
                                                 batch_size=batch_size)

@@ -3,10 +3,11 @@
 Takes a stream's edit-negative sequences in the order stage 3 runs them (sorted, so that a chunk
 holds sequences with a common beginning), the first ``--sequences`` of them (one chunk is
 ``aloe_build.chunked.CHUNK_SEQUENCES``), and collects their states with a plain pass per sequence,
-with each shared prefix run once, with shared prefixes under bfloat16 autocast (the build's
-``negatives_dtype="bfloat16"``) and, on request, through a copy of the model whose linear layers run
-PyTorch's dynamic int8 kernels (``shared-int8``, no build option: docs/results.md); prints each time,
-its ratio to the plain pass and how far its unit states lie from the plain ones.
+in token trees that run each distinct prefix once (``aloe_build.token_tree``, as the build does),
+in token trees under bfloat16 autocast (the build's ``negatives_dtype="bfloat16"``) and, on request,
+through a copy of the model whose linear layers run PyTorch's dynamic int8 kernels (``tree-int8``,
+no build option: docs/results.md); prints each time, its ratio to the first way and how far its unit
+states lie from the first way's.
 
     python -m benchmarks.shared_prefix_cost --edits $DATA/counterfact/counterfact-val.json --limit 839
 """
@@ -26,9 +27,9 @@ from aloe_build.data import load_edits
 from aloe_build.forward import in_precision
 from aloe_build.models import default_layer, load_model
 from aloe_build.rollouts import edit_negative_sequences, token_sequences
-from aloe_build.shared_prefix import collect_states_shared, prefix_groups
 from aloe_build.slots import make_slots
 from aloe_build.states import collect_states
+from aloe_build.token_tree import PACK_TOKENS, TREES_PER_PASS, collect_states_tree, token_trees
 from aloe_kernels.hf import locate_down_proj
 
 
@@ -50,10 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--layer", type=int, default=None, help="default: the model's default edit layer")
     ap.add_argument("--sequences", type=int, default=4096)
-    ap.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, help="sequences per forward pass")
-    ap.add_argument("--ways", default="plain,shared,shared-bfloat16",
-                    help="comma-separated, of plain, shared, shared-bfloat16, shared-int8, each with an optional :B "
-                         "for B sequences per pass instead of --batch-size (the first is the reference)")
+    ap.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, help="sequences per plain pass")
+    ap.add_argument("--ways", default="plain,tree,tree-bfloat16",
+                    help="comma-separated, of plain (with an optional :B, B sequences per pass instead of "
+                         "--batch-size), tree, tree-bfloat16, tree-int8 (with an optional :PxK, trees of P nodes, K "
+                         "per pass); the first is the reference")
     args = ap.parse_args(argv)
     cfg = BuildConfig()
     model, tok = load_model(args.model)
@@ -64,18 +66,17 @@ def main(argv: list[str] | None = None) -> None:
     spec, pos, _ = edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(cfg.seed))
     order = sorted(range(len(spec)), key=lambda i: tuple(spec[i]))[: args.sequences]
     spec, pos = [spec[i] for i in order], [pos[i] for i in order]
-    groups = prefix_groups(spec, max_members=4 * args.batch_size)
     tokens = sum(len(s) for s in spec)
-    after_sharing = sum(g.shared + sum(len(spec[i]) - g.shared for i in g.members) for g in groups)
+    after_sharing = sum(len(t.tokens) for t in token_trees(spec))
     print(f"{len(slots)} slots, {len(spec)} sequences, {tokens} token positions, {after_sharing} "
-          f"({after_sharing / tokens:.2f}) once each shared prefix runs once; layer {layer}, "
+          f"({after_sharing / tokens:.2f}) in token trees of {PACK_TOKENS}; layer {layer}, "
           f"{torch.get_num_threads()} threads")
-    ways = {"plain": (collect_states, "float32"), "shared": (collect_states_shared, "float32"),
-            "shared-bfloat16": (collect_states_shared, "bfloat16"), "shared-int8": (collect_states_shared, "int8")}
+    ways = {"plain": (collect_states, "float32"), "tree": (collect_states_tree, "float32"),
+            "tree-bfloat16": (collect_states_tree, "bfloat16"), "tree-int8": (collect_states_tree, "int8")}
     chosen = args.ways.split(",")
     unknown = [w for w in chosen if w.split(":")[0] not in ways]
     if unknown:
-        ap.error(f"unknown ways {unknown}; use {', '.join(ways)}, each with :B for B sequences per pass")
+        ap.error(f"unknown ways {unknown}; use {', '.join(ways)}")
     reference = None
     for name in chosen:
         way, _, batch = name.partition(":")
@@ -83,7 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         runner = int8_copy(model, layer) if precision == "int8" else model
         t0 = time.perf_counter()
         with in_precision(model, "float32" if precision == "int8" else precision):
-            got = fn(runner, tok, spec, layer, pos, int(batch) if batch else args.batch_size)
+            if way != "plain":
+                pack, _, per_pass = batch.partition("x")
+                got = fn(runner, tok, spec, layer, pos, int(pack or PACK_TOKENS), int(per_pass or TREES_PER_PASS))
+            else:
+                got = fn(runner, tok, spec, layer, pos, int(batch) if batch else args.batch_size)
         seconds = time.perf_counter() - t0
         if reference is None:
             reference = (seconds, got.states)

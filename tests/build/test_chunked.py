@@ -35,7 +35,7 @@ def test_chunked_states_equal_one_pass(tmp_path, monkeypatch):
     positions = [list(range(0, len(s), 2)) for s in seqs]
     positions[3] = []  # a sequence with no position kept
     monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 4)
-    got = chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, positions, 3, "test")
+    got = chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, positions, "test", 5, 2)
     want = collect_states(model, tok, seqs, 1, positions, 3)
     assert torch.equal(got.offsets, want.offsets)
     torch.testing.assert_close(got.states, want.states, rtol=1e-5, atol=1e-6)
@@ -53,7 +53,7 @@ def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):
     seqs = token_sequences(tok, slots, corpus, cfg)
     monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 2)
     calls, stop_at = [], []
-    real = chunked.collect_states_shared
+    real = chunked.collect_states_tree
 
     def counted(*args, **kwargs):
         calls.append(len(args[2]))
@@ -64,7 +64,7 @@ def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):
     def stage3(parts):
         return rollouts(model, tok, slots, seqs, corpus, tmp_path / "enc", 1, cfg, random.Random(0), parts)[0]
 
-    monkeypatch.setattr(chunked, "collect_states_shared", counted)
+    monkeypatch.setattr(chunked, "collect_states_tree", counted)
     whole = stage3(None)
     uninterrupted = len(calls)
     assert uninterrupted > 6
@@ -102,43 +102,41 @@ class _RecordingBar:
         return False
 
 
-def test_chunked_states_pass_a_multiple_of_the_batch_size(tmp_path, monkeypatch):
-    """Each pass takes ``batch_size * STATES_BATCH_MULTIPLE`` sequences (short rests on a cached
-    prefix make small products otherwise), and the states stay those of one plain pass."""
+def test_chunked_states_run_trees_of_the_size_asked(tmp_path, monkeypatch):
+    """Each chunk is collected in trees of ``pack_tokens`` nodes, ``trees_per_pass`` per pass, and
+    the states stay those of one plain pass."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (19,), generator=g)]
     asked = []
-    real = chunked.collect_states_shared
+    real = chunked.collect_states_tree
 
     def recording(*args, **kwargs):
-        asked.append(args[5])
+        asked.append(args[5:7])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(chunked, "collect_states_shared", recording)
-    monkeypatch.setattr(chunked, "STATES_BATCH_MULTIPLE", 2)
-    got = chunked.chunked_states(None, "x", model, tok, seqs, 1, None, 3, "test")
-    assert asked == [6]
+    monkeypatch.setattr(chunked, "collect_states_tree", recording)
+    got = chunked.chunked_states(None, "x", model, tok, seqs, 1, None, "test", 6, 3)
+    assert asked == [(6, 3)]
     torch.testing.assert_close(got.states, collect_states(model, tok, seqs, 1, None, 3).states, rtol=1e-5, atol=1e-6)
 
 
 def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_path, monkeypatch):
-    """Chunks of 8 sequences in batches of 3: the bar moves batch by batch (not once per chunk), its
-    updates add up to the sequences computed, and a resumed pass starts it at the saved ones."""
+    """Chunks of 8 sequences, 3 per pass (a tree each): the bar moves pass by pass (not once per
+    chunk), its updates add up to the sequences computed, and a resumed pass starts it at the saved ones."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (19,), generator=g)]
     monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", 8)
-    monkeypatch.setattr(chunked, "STATES_BATCH_MULTIPLE", 1)
     monkeypatch.setattr(chunked, "tqdm", _RecordingBar)
     _RecordingBar.made.clear()
-    chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, 3, "test")
+    chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, "test", 1, 3)
     bar = _RecordingBar.made[-1]
     assert bar.initial == 0 and sum(bar.updates) == 19
     assert len([k for k in bar.updates if k > 0]) >= 7  # at least ceil(8/3) + ceil(8/3) + ceil(3/3) batches
     assert max(bar.updates) <= 3
     (tmp_path / "x-sorted-2.safetensors").unlink()  # the last chunk (3 sequences) is lost
-    chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, 3, "test")
+    chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, "test", 1, 3)
     bar = _RecordingBar.made[-1]
     assert bar.initial == 16 and sum(bar.updates) == 3
 

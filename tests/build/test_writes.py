@@ -169,7 +169,7 @@ def test_write_targets_let_a_produced_edit_leave_once_its_nll_is_low():
 
     model, tok, seqs, lens, op = _slot_per_sequence()
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
-    full = BuildConfig(target_steps=60, target_max_steps=60, target_lr=0.05, target_batch=4)
+    full = BuildConfig(target_steps=60, target_max_steps=60, target_lr=0.05, target_batch=4, target_stop_nll=0.0)
     early = dataclasses.replace(full, target_stop_nll=100.0)  # above any NLL here: leave once produced
     stats = {}
     with fwd.frozen():
