@@ -200,9 +200,6 @@ class BuildConfig:
     # CounterFact build from 252 to 183 s, and CounterFact and zsRE scored the same with it
     # (docs/results.md, "On an AVX-512 CPU" and "Stage 6 stops an edit early, on zsRE too")
     target_stop_nll: float = _at(6, 0.02)
-    # precision of stage 6's forward and backward passes through the layers above the edited one:
-    # "bfloat16" runs them under autocast (the deltas, their Adam moments and the NLL stay float32)
-    targets_dtype: str = _at(6, "float32")
     # L2 weight on each write target: higher values keep writes smaller and locality higher at
     # some cost in generalization; too high a value holds targets short of being produced
     target_l2: float = _at(6, 1e-4)
@@ -236,7 +233,7 @@ class BuildConfig:
             raise ValueError("BuildConfig: chat_systems must be non-empty strings")
         from .forward import autocast_dtype  # the one list of pass precisions
 
-        for name in ("compute_dtype", "negatives_dtype", "targets_dtype"):
+        for name in ("compute_dtype", "negatives_dtype"):
             try:
                 autocast_dtype(getattr(self, name))
             except ValueError as err:
@@ -266,3 +263,20 @@ class BuildConfig:
         if unknown:
             raise ValueError(f"BuildConfig: unknown fields {sorted(unknown)}")
         return cls(**data)
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` texts (``aloe build --set``) as BuildConfig fields: a value is JSON where it parses
+    (numbers, true/false/null, lists, quoted strings), else the text itself, so that
+    ``negatives_dtype=float32`` is the string it reads as."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+

@@ -290,13 +290,8 @@ class EditedForward:
         # logits at position p predict token p+1: the last n tokens come from the n positions before them
         at = torch.cat([torch.arange(K - n - 1, K - 1) for n in lengths.tolist()])
         target = torch.tensor([t for i in rows for t in self.seqs[i][-self.target_lens[i]:]], device=hidden.device)
-        # the vocabulary GEMM only where a target token is predicted, and one gather for the whole batch;
-        # in the model's own dtype under an autocast too (targets_dtype), so that the NLL and the
-        # argmax are those of the model
-        head = self.model.get_output_embeddings()
-        picked = hidden[row.to(hidden.device), at.to(hidden.device)]
-        with torch.autocast(picked.device.type, enabled=False):
-            logits = head(picked.to(head.weight.dtype)).float()
+        # the vocabulary GEMM only where a target token is predicted, and one gather for the whole batch
+        logits = self.model.get_output_embeddings()(hidden[row.to(hidden.device), at.to(hidden.device)]).float()
         token_nll = F.cross_entropy(logits, target, reduction="none")
         row = row.to(hidden.device)
         nll = torch.zeros(len(rows), device=hidden.device).index_add(0, row, token_nll) / lengths.to(hidden.device)

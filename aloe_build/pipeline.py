@@ -33,7 +33,7 @@ from .corpus import Corpus, load_corpus
 from .data import EditRequest
 from .edited_forward import EditedForward
 from .encoder import AddressEncoder, cache_key
-from .forward import in_precision, model_device
+from .forward import model_device
 from .mechanism import build_encoder
 from .models import cache_root, default_layer, model_name
 from .open_gates import open_gates
@@ -345,9 +345,7 @@ class _Build:
 
         def targets() -> tuple[dict[str, torch.Tensor], dict]:
             steps: dict = {}
-            fwd = forward()  # its cached prefixes in the model's dtype: stage 8 reads them too
-            with in_precision(self.model, cfg.targets_dtype):
-                deltas, nll, produced = write_targets(fwd, cfg, self.ckpt.parts("6_targets"), rows_of, steps)
+            deltas, nll, produced = write_targets(forward(), cfg, self.ckpt.parts("6_targets"), rows_of, steps)
             return {"Y": deltas}, {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced,
                                    **steps}
 

@@ -31,19 +31,7 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     import json
     from pathlib import Path
 
+    from aloe_build.config import parse_settings
+
     overrides = json.loads(Path(args.config).read_text()) if getattr(args, "config", None) else {}
-    for item in args.set or []:
-        key, _, value = item.partition("=")
-        overrides[key] = _set_value(value)
-    return overrides
-
-
-def _set_value(text: str) -> Any:
-    """A ``--set`` value: JSON where it parses (numbers, true/false/null, lists, quoted strings), else the
-    text itself, so that ``negatives_dtype=float32`` is the string it reads as."""
-    import json
-
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+    return {**overrides, **parse_settings(args.set or [])}
