@@ -7,9 +7,11 @@ in token trees that run each distinct prefix once (``aloe_build.token_tree``, as
 in token trees under bfloat16 autocast (the build's ``negatives_dtype="bfloat16"``) and, on request,
 through a copy of the model whose linear layers run PyTorch's dynamic int8 kernels (``tree-int8``,
 no build option: docs/results.md); prints each time, its ratio to the first way and how far its unit
-states lie from the first way's.
+states lie from the first way's. With ``--count`` it only counts, over the whole stream, the token
+positions and the tree nodes that stage 3 runs.
 
     python -m benchmarks.shared_prefix_cost --edits $DATA/counterfact/counterfact-val.json --limit 839
+    python -m benchmarks.shared_prefix_cost --edits runs/cf-stream.jsonl --limit 4000 --count
 """
 
 from __future__ import annotations
@@ -44,6 +46,24 @@ def int8_copy(model: nn.Module, layer: int) -> nn.Module:
     return quantize_dynamic(model, spec, inplace=False)
 
 
+def count(edits: str, limit: int | None, model_name: str, cfg: BuildConfig) -> None:
+    """Positions and tree nodes of a stream's edit negatives, chunk by chunk as stage 3 runs them."""
+    from aloe_build.chunked import CHUNK_SEQUENCES
+
+    _, tok = load_model(model_name)
+    slots = make_slots(load_edits(edits, limit=limit))
+    corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
+    seqs = token_sequences(tok, slots, corpus, cfg)
+    spec, pos, _ = edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(cfg.seed))
+    order = sorted(range(len(spec)), key=lambda i: tuple(spec[i]))
+    nodes = sum(len(t.tokens) for lo in range(0, len(order), CHUNK_SEQUENCES)
+                for t in token_trees([spec[i] for i in order[lo: lo + CHUNK_SEQUENCES]]))
+    tokens, kept, n = sum(len(s) for s in spec), sum(len(p) for p in pos), len(slots)
+    print(f"{n} edits, {len(spec)} sequences: {tokens} token positions ({tokens / n:.1f} per edit), {kept} kept "
+          f"as states ({kept / n:.1f}), {nodes} tree nodes run ({nodes / n:.1f} per edit, {nodes / tokens:.2f} "
+          f"of the positions)")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--edits", required=True)
@@ -56,8 +76,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="comma-separated, of plain (with an optional :B, B sequences per pass instead of "
                          "--batch-size), tree, tree-bfloat16, tree-int8 (with an optional :PxK, trees of P nodes, K "
                          "per pass); the first is the reference")
+    ap.add_argument("--count", action="store_true",
+                    help="only count, over all the stream's edit-negative sequences in the build's chunks: token "
+                         "positions, positions kept as states and tree nodes (what the build runs), per edit too")
     args = ap.parse_args(argv)
     cfg = BuildConfig()
+    if args.count:
+        return count(args.edits, args.limit, args.model, cfg)
     model, tok = load_model(args.model)
     layer = default_layer(model) if args.layer is None else args.layer
     slots = make_slots(load_edits(args.edits, limit=args.limit))
