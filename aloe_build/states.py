@@ -61,6 +61,17 @@ class StateBatch:
         return torch.repeat_interleave(torch.arange(len(counts)), counts)
 
 
+def empty_states(model: nn.Module, layer: int, sequences: Sequence[Sequence[int]],
+                 positions: Sequence[Sequence[int]] | None) -> tuple[list[list[int]], StateBatch]:
+    """The positions kept of each sequence (every one where ``positions`` is None) and a zero
+    :class:`StateBatch` laid out for them, to be filled in place: collecting per-sequence pieces and
+    concatenating would need twice the memory."""
+    keep = [list(range(len(seq))) if positions is None else list(positions[i]) for i, seq in enumerate(sequences)]
+    offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(torch.tensor([len(k) for k in keep], dtype=torch.long), 0)
+    return keep, StateBatch(torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d), offsets)
+
+
 def collect_states(
     model: nn.Module,
     tokenizer,
@@ -79,11 +90,8 @@ def collect_states(
     """
     device = model_device(model)
     pid = pad_id(tokenizer)
-    keep = [list(range(len(seq))) if positions is None else list(positions[i]) for i, seq in enumerate(sequences)]
-    offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(torch.tensor([len(k) for k in keep], dtype=torch.long), 0)
-    # filled in place: collecting per-sequence pieces and concatenating would need twice the memory
-    states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
+    keep, out = empty_states(model, layer, sequences, positions)
+    states, offsets = out.states, out.offsets
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a batch
     with capture_down_proj_input(model, layer) as box:
         for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=desc is None, leave=False):
@@ -97,7 +105,7 @@ def collect_states(
                 states[int(offsets[i]): int(offsets[i + 1])] = normalize_rows(h[row].index_select(0, cols)).cpu()
             if tick is not None:
                 tick(len(idx))
-    return StateBatch(states, offsets)
+    return out
 
 
 def last_token_states(model, tokenizer, texts: Sequence[str], layer: int, batch_size: int = 32,

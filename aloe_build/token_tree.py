@@ -20,10 +20,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from aloe_kernels.hf import locate_down_proj
-
 from .forward import Tick, capture_down_proj_input, model_device
-from .states import StateBatch, collect_states, normalize_rows, run_captured
+from .states import StateBatch, collect_states, empty_states, normalize_rows, run_captured
 from .tokens import pad_id
 
 #: Nodes per tree. The mask makes a row's attention cost grow with the square of its length and its
@@ -130,10 +128,8 @@ def collect_states_tree(model: nn.Module, tokenizer, sequences: Sequence[Sequenc
     whose attention ignores custom masks runs plain padded passes instead."""
     if getattr(getattr(model, "config", None), "_attn_implementation", "eager") not in TREE_ATTENTION:
         return collect_states(model, tokenizer, sequences, layer, positions, PLAIN_BATCH, desc, tick)
-    keep = [list(range(len(s))) if positions is None else list(positions[i]) for i, s in enumerate(sequences)]
-    offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(torch.tensor([len(k) for k in keep], dtype=torch.long), 0)
-    states = torch.zeros(int(offsets[-1]), locate_down_proj(model, layer).d)
+    keep, out = empty_states(model, layer, sequences, positions)
+    states, offsets = out.states, out.offsets
     nonempty = [i for i, s in enumerate(sequences) if len(s)]
     trees = token_trees([sequences[i] for i in nonempty], pack_tokens)
     # trees of similar size share a pass (little padding)
@@ -152,4 +148,4 @@ def collect_states_tree(model: nn.Module, tokenizer, sequences: Sequence[Sequenc
                         states[int(offsets[i]): int(offsets[i + 1])] = normalize_rows(h[b, at]).cpu()
             if tick is not None:
                 tick(sum(len(t.members) for t in batch))
-    return StateBatch(states, offsets)
+    return out

@@ -46,19 +46,27 @@ def int8_copy(model: nn.Module, layer: int) -> nn.Module:
     return quantize_dynamic(model, spec, inplace=False)
 
 
-def count(edits: str, limit: int | None, model_name: str, cfg: BuildConfig) -> None:
-    """Positions and tree nodes of a stream's edit negatives, chunk by chunk as stage 3 runs them."""
-    from aloe_build.chunked import CHUNK_SEQUENCES
-
-    _, tok = load_model(model_name)
+def sorted_edit_negatives(tok, edits: str, limit: int | None, cfg: BuildConfig
+                          ) -> tuple[int, list[list[int]], list[list[int]]]:
+    """The stream's edit count, and its edit-negative sequences and kept positions in stage 3's
+    (sorted) order."""
     slots = make_slots(load_edits(edits, limit=limit))
     corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
     seqs = token_sequences(tok, slots, corpus, cfg)
     spec, pos, _ = edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(cfg.seed))
     order = sorted(range(len(spec)), key=lambda i: tuple(spec[i]))
-    nodes = sum(len(t.tokens) for lo in range(0, len(order), CHUNK_SEQUENCES)
-                for t in token_trees([spec[i] for i in order[lo: lo + CHUNK_SEQUENCES]]))
-    tokens, kept, n = sum(len(s) for s in spec), sum(len(p) for p in pos), len(slots)
+    return len(slots), [spec[i] for i in order], [pos[i] for i in order]
+
+
+def count(edits: str, limit: int | None, model_name: str, cfg: BuildConfig) -> None:
+    """Positions and tree nodes of a stream's edit negatives, chunk by chunk as stage 3 runs them."""
+    from aloe_build.chunked import CHUNK_SEQUENCES
+
+    _, tok = load_model(model_name)
+    n, spec, pos = sorted_edit_negatives(tok, edits, limit, cfg)
+    nodes = sum(len(t.tokens) for lo in range(0, len(spec), CHUNK_SEQUENCES)
+                for t in token_trees(spec[lo: lo + CHUNK_SEQUENCES]))
+    tokens, kept = sum(len(s) for s in spec), sum(len(p) for p in pos)
     print(f"{n} edits, {len(spec)} sequences: {tokens} token positions ({tokens / n:.1f} per edit), {kept} kept "
           f"as states ({kept / n:.1f}), {nodes} tree nodes run ({nodes / n:.1f} per edit, {nodes / tokens:.2f} "
           f"of the positions)")
@@ -85,15 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         return count(args.edits, args.limit, args.model, cfg)
     model, tok = load_model(args.model)
     layer = default_layer(model) if args.layer is None else args.layer
-    slots = make_slots(load_edits(args.edits, limit=args.limit))
-    corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
-    seqs = token_sequences(tok, slots, corpus, cfg)
-    spec, pos, _ = edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(cfg.seed))
-    order = sorted(range(len(spec)), key=lambda i: tuple(spec[i]))[: args.sequences]
-    spec, pos = [spec[i] for i in order], [pos[i] for i in order]
+    n, spec, pos = sorted_edit_negatives(tok, args.edits, args.limit, cfg)
+    spec, pos = spec[: args.sequences], pos[: args.sequences]
     tokens = sum(len(s) for s in spec)
     after_sharing = sum(len(t.tokens) for t in token_trees(spec))
-    print(f"{len(slots)} slots, {len(spec)} sequences, {tokens} token positions, {after_sharing} "
+    print(f"{n} slots, {len(spec)} sequences, {tokens} token positions, {after_sharing} "
           f"({after_sharing / tokens:.2f}) in token trees of {PACK_TOKENS}; layer {layer}, "
           f"{torch.get_num_threads()} threads")
     ways = {"plain": (collect_states, "float32"), "tree": (collect_states_tree, "float32"),
