@@ -204,7 +204,11 @@ class BuildConfig:
     # some cost in generalization; too high a value holds targets short of being produced
     target_l2: float = _at(6, 1e-4)
     target_rank: int = _at(6, 16)  # rank of each edit's down-projection change before it is evaluated on the anchor
-    target_batch: int = _at(6, 32)
+    # a step streams every upper-layer and vocabulary weight however many edits it holds (on the
+    # AVX-512 CPU about 60 ms plus 5 ms per edit), so a batch of 64 amortises that better than 32:
+    # stage 6 of the 1,301-edit CounterFact build took 0.88 of the time, the same writes to rounding
+    # (docs/results.md, "Stage 6 in batches of 64")
+    target_batch: int = _at(6, 64)
     # with chat positives, fit each write target on the request and its chat forms together (mean of
     # their NLLs; an edit counts as produced once all of them are). Off: the request alone, and the chat
     # forms are left to stage 8, which starts from a write that does not produce them (KnowEdit recent:

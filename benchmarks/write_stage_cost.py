@@ -37,13 +37,18 @@ def _resumed(build: Path, scratch: Path) -> Path:
     return scratch
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments that name a finished build and the edits it was made from."""
     ap.add_argument("build_dir")
     ap.add_argument("--edits", required=True, help="the edit file the build was made from")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--skip-invalid", action="store_true")
     ap.add_argument("--model", default="smollm2")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="the second run's settings of stages 6-8 (parsed as aloe build --set); both runs cache")
     args = ap.parse_args(argv)
