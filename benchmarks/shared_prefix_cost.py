@@ -58,6 +58,30 @@ def sorted_edit_negatives(tok, edits: str, limit: int | None, cfg: BuildConfig
     return len(slots), [spec[i] for i in order], [pos[i] for i in order]
 
 
+def linear_weights_below(model: nn.Module, layer: int) -> int:
+    """Weights of the linear layers a pass runs up to the edited layer's down-projection (excluded)."""
+    from aloe_kernels.hf import decoder_layers
+
+    _, layers = decoder_layers(model)
+    down = locate_down_proj(model, layer).module
+    return sum(m.weight.numel() for block in list(layers)[: layer + 1] for m in block.modules()
+               if isinstance(m, nn.Linear) and m is not down)
+
+
+def gemm_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """Best rate (GFLOP/s) of a float32 (size x size) @ (size x size) product on this process's threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * size**3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def count(edits: str, limit: int | None, model_name: str, cfg: BuildConfig) -> None:
     """Positions and tree nodes of a stream's edit negatives, chunk by chunk as stage 3 runs them."""
     from aloe_build.chunked import CHUNK_SEQUENCES
@@ -87,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--count", action="store_true",
                     help="only count, over all the stream's edit-negative sequences in the build's chunks: token "
                          "positions, positions kept as states and tree nodes (what the build runs), per edit too")
+    ap.add_argument("--rate", action="store_true",
+                    help="also the GFLOP/s of each way's linear-layer products, against one large float32 GEMM")
     args = ap.parse_args(argv)
     cfg = BuildConfig()
     if args.count:
@@ -107,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown ways {unknown}; use {', '.join(ways)}")
     reference = None
+    weights = linear_weights_below(model, layer)
+    gemm = gemm_gflops() if args.rate else None
+    if gemm is not None:
+        print(f"one 2048^3 float32 GEMM: {gemm:.0f} GFLOP/s; {weights} linear weights up to the edited down-projection")
     for name in chosen:
         way, _, batch = name.partition(":")
         fn, precision = ways[way]
@@ -119,6 +149,12 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 got = fn(runner, tok, spec, layer, pos, int(batch) if batch else args.batch_size)
         seconds = time.perf_counter() - t0
+        if gemm is not None:
+            # a plain pass also runs its padding, not counted here
+            pack = int(batch.partition("x")[0] or PACK_TOKENS)
+            positions = tokens if way == "plain" else sum(len(t.tokens) for t in token_trees(spec, pack))
+            rate = 2 * positions * weights / seconds / 1e9
+            print(f"{name}: {positions} positions, linear products at {rate:.0f} GFLOP/s ({rate / gemm:.2f} of the GEMM's)")
         if reference is None:
             reference = (seconds, got.states)
             print(f"{name}: {seconds:.1f} s")
