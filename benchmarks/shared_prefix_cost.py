@@ -17,6 +17,7 @@ positions and the tree nodes that stage 3 runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
@@ -82,6 +83,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def _profiled(on: bool):
+    """torch's CPU profiler around the block when ``on`` (the way's time then includes its overhead)."""
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield prof
+
+
 def count(edits: str, limit: int | None, model_name: str, cfg: BuildConfig) -> None:
     """Positions and tree nodes of a stream's edit negatives, chunk by chunk as stage 3 runs them."""
     from aloe_build.chunked import CHUNK_SEQUENCES
@@ -113,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                          "positions, positions kept as states and tree nodes (what the build runs), per edit too")
     ap.add_argument("--rate", action="store_true",
                     help="also the GFLOP/s of each way's linear-layer products, against one large float32 GEMM")
+    ap.add_argument("--profile", action="store_true", help="also each way's top operators under torch's profiler")
     args = ap.parse_args(argv)
     cfg = BuildConfig()
     if args.count:
@@ -142,13 +156,15 @@ def main(argv: list[str] | None = None) -> None:
         fn, precision = ways[way]
         runner = int8_copy(model, layer) if precision == "int8" else model
         t0 = time.perf_counter()
-        with in_precision(model, "float32" if precision == "int8" else precision):
+        with in_precision(model, "float32" if precision == "int8" else precision), _profiled(args.profile) as prof:
             if way != "plain":
                 pack, _, per_pass = batch.partition("x")
                 got = fn(runner, tok, spec, layer, pos, int(pack or PACK_TOKENS), int(per_pass or TREES_PER_PASS))
             else:
                 got = fn(runner, tok, spec, layer, pos, int(batch) if batch else args.batch_size)
         seconds = time.perf_counter() - t0
+        if prof is not None:
+            print(f"{name}, under the profiler:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
         if gemm is not None:
             # a plain pass also runs its padding, not counted here
             pack = int(batch.partition("x")[0] or PACK_TOKENS)
