@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown ways {unknown}; use {', '.join(ways)}")
     reference = None
-    weights = linear_weights_below(model, layer)
+    weights = linear_weights_below(model, layer) if args.rate else 0
     gemm = gemm_gflops() if args.rate else None
     if gemm is not None:
         print(f"one 2048^3 float32 GEMM: {gemm:.0f} GFLOP/s; {weights} linear weights up to the edited down-projection")

@@ -13,7 +13,6 @@ two decides how many edits a batch should hold (``target_batch``).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +20,9 @@ from pathlib import Path
 import torch
 
 import aloe_build.pipeline as pipeline
-from aloe_build import BuildConfig, build_operator, load_edits, load_model
+from aloe_build import build_operator, load_edits, load_model
 from aloe_build.writes import target_batches
-from benchmarks.write_stage_cost import _resumed, build_arguments
+from benchmarks.write_stage_cost import build_arguments, built_config, resumed_copy
 
 
 class _Measured(Exception):
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     build = Path(args.build_dir)
-    cfg = BuildConfig.from_dict(json.loads((build / "build_report.json").read_text())["config"])
+    cfg = built_config(build)
     sizes = [int(r) for r in args.rows.split(",")]
     requests = load_edits(args.edits, limit=args.limit, skip_invalid=args.skip_invalid)
     model, tok = load_model(args.model)
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     pipeline.write_targets = measure
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            build_operator(model, tok, requests, cfg, out_dir=_resumed(build, Path(tmp) / "run"), log=None)
+            build_operator(model, tok, requests, cfg, out_dir=resumed_copy(build, Path(tmp) / "run"), log=None)
     except _Measured:
         pass
     finally:

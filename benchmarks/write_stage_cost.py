@@ -29,12 +29,17 @@ from aloe_build.config import parse_settings
 _KEPT = ("2_init", "3_rollouts", "4_refine", "5_calibrate")
 
 
-def _resumed(build: Path, scratch: Path) -> Path:
+def resumed_copy(build: Path, scratch: Path) -> Path:
     (scratch / "checkpoints").mkdir(parents=True)
     for f in (build / "checkpoints").iterdir():
         if f.name.split(".")[0] in _KEPT and f.is_file():
             shutil.copy2(f, scratch / "checkpoints" / f.name)
     return scratch
+
+
+def built_config(build: Path) -> BuildConfig:
+    """The configuration a finished build ran with (its ``build_report.json``)."""
+    return BuildConfig.from_dict(json.loads((build / "build_report.json").read_text())["config"])
 
 
 def build_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the second run's settings of stages 6-8 (parsed as aloe build --set); both runs cache")
     args = ap.parse_args(argv)
     build = Path(args.build_dir)
-    cfg = BuildConfig.from_dict(json.loads((build / "build_report.json").read_text())["config"])
+    cfg = built_config(build)
     other = BuildConfig.from_dict({**cfg.to_dict(), **parse_settings(args.set)}) if args.set else None
     requests = load_edits(args.edits, limit=args.limit, skip_invalid=args.skip_invalid)
     model, tok = load_model(args.model)
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             cache_prefix = second or other is not None
             edited_forward.EditedForward.__init__ = functools.partialmethod(real_init, cache_prefix=cache_prefix)
             try:
-                out = _resumed(build, Path(tmp) / f"run-{second}")
+                out = resumed_copy(build, Path(tmp) / f"run-{second}")
                 op = build_operator(model, tok, requests, other if second and other else cfg, out_dir=out, log=None)
             finally:
                 edited_forward.EditedForward.__init__ = real_init
