@@ -89,6 +89,23 @@ def chat_answer(tokenizer, text: str) -> list[int]:
     return ids
 
 
+def stop_ids(tokenizer) -> set[int]:
+    """Token ids after which a server stops generating: EOS and, where the vocabulary has one, the
+    chat template's end of turn (``<|im_end|>``), which instruction-tuned models write after a bare
+    question as well."""
+    end_turn = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
+    return {t for t in (tokenizer.eos_token_id, end_turn) if t is not None}
+
+
+def until_end(tokens: Sequence[int], stops: set[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token: what a served model returns, since it
+    stops there and never generates what would follow."""
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return list(tokens[: i + 1])
+    return list(tokens)
+
+
 def pad_id(tokenizer) -> int:
     """The id used for left padding: the pad token, else the EOS token."""
     pid = tokenizer.pad_token_id

@@ -25,7 +25,7 @@ import torch
 
 from aloe_build.forward import greedy_generate
 from aloe_build.states import collect_states
-from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id
+from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id, stop_ids, until_end
 
 from .chunks import ChunkStore, content_key
 from .editors import Editor
@@ -39,13 +39,6 @@ SYSTEMS = {"default_system": None, "custom_system": CUSTOM_SYSTEM}
 CHAT_ANSWERS_CACHE = "chat-answers"
 
 
-def _until_end(tokens: list[int], stops: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return tokens[: i + 1]
-    return tokens
-
-
 def contains_target(answer: str, target: str) -> bool:
     return target.strip().lower() in answer.lower()
 
@@ -54,22 +47,16 @@ def starts_with_target(answer: str, target: str) -> bool:
     return answer.strip().lower().startswith(target.strip().lower())
 
 
-def _stop_ids(tokenizer) -> set[int]:
-    stops = {tokenizer.eos_token_id}
-    end_turn = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
-    return {t for t in (*stops, end_turn) if t is not None}
-
-
 def chat_answers(model, tokenizer, questions: Sequence[str], system: str | None = None, *,
                  tokens: int = CHAT_TOKENS, batch_size: int = 32, progress: bool = False,
                  desc: str = "chat answers") -> list[list[int]]:
     """Greedy answers (token ids, cut after the end of turn) of ``questions`` asked as the user
     turn of the model's chat template, after ``system`` (None: the template's default)."""
     prompts = [chat_prompt(tokenizer, q, system) for q in questions]
-    stops = _stop_ids(tokenizer)
+    stops = stop_ids(tokenizer)
     gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size,
                            progress=progress, desc=desc)
-    return [_until_end(g, stops) for g in gens]
+    return [until_end(g, stops) for g in gens]
 
 
 def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system: str | None, hit: Sequence[bool],

@@ -16,8 +16,9 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "paper.generalization": "the same exact match on each rephrase; mean over an edit's rephrases, then over edits "
     "with rephrases",
     "paper.locality": "share of locality prompts whose greedy generation of k tokens (k = tokens of the first "
-    "ground truth, clipped to [1, 16]; 8 without one) is token-for-token unchanged from the unedited model's; mean "
-    "per edit, then over edits",
+    "ground truth, clipped to [1, 16]; 8 without one) is token-for-token unchanged from the unedited model's, up to "
+    "and including the unedited model's first EOS or end-of-turn token, where a server stops; mean per edit, then "
+    "over edits",
     "paper.locality_outside_stream": "paper.locality over the locality prompts that are not the request of an edit "
     "of the scored stream (a large stream edits some of its own neighbourhood prompts, whose answers are then meant "
     "to change); mean per edit over such prompts, then over edits that have one",

@@ -95,6 +95,7 @@ from torch import nn
 from aloe_build.forward import model_device
 from aloe_build.models import default_layer, model_name
 from aloe_build.tokens import pad_id as tokenizer_pad_id
+from aloe_build.tokens import stop_ids
 from aloe_kernels.hf import find_aloe_modules
 
 from .chunks import ChunkStore, chunk_bounds, chunk_key, merge_results
@@ -201,8 +202,8 @@ def _score_in_chunks(model, tokenizer, requests: list, editors: list[Editor], co
             if progress and len(bounds) > 1:
                 print(f"evaluation: chunk {k + 1}/{len(bounds)} (edits {lo}-{hi - 1})", file=sys.stderr)
             reg, plans = plan(tokenizer, requests[lo:hi], start=lo)
-            ref = build_reference(model, reg, plans, pad_id=pad, batch_size=batch_size, progress=progress,
-                                  timings=timings)
+            ref = build_reference(model, reg, plans, pad_id=pad, stops=stop_ids(tokenizer), batch_size=batch_size,
+                                  progress=progress, timings=timings)
             piece = {ed.name: score_editor(model, tokenizer, ed, reg, plans, ref, pad_id=pad, batch_size=batch_size,
                                            progress=progress, open_threshold=open_threshold) for ed in editors}
             sequences += len(reg.seqs)

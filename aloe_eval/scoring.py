@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from aloe_build.forward import TFResult, greedy_generate, teacher_forced
+from aloe_build.tokens import until_end
 
 from .definitions import PORTABILITY_MAX_TOKENS
 from .editors import Editor, UneditedEditor
@@ -32,9 +33,11 @@ def _decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def build_reference(model, reg: Registry, plans: list[EditPlan], *, pad_id: int, batch_size: int,
+def build_reference(model, reg: Registry, plans: list[EditPlan], *, pad_id: int, stops: set[int], batch_size: int,
                     progress: bool, timings: dict[str, float]) -> Reference:
-    """The unedited model's greedy continuation of every locality prompt and its teacher-forced pass."""
+    """The unedited model's greedy continuation of every locality prompt, cut after its first stop
+    token (``stops``; a server stops there, so what the model would write after it is never
+    seen and is not compared), and its teacher-forced pass."""
     ref = Reference()
     t0 = time.perf_counter()
     # 1. the unedited model's greedy continuations of every unique locality prompt
@@ -46,7 +49,7 @@ def build_reference(model, reg: Registry, plans: list[EditPlan], *, pad_id: int,
     gens = greedy_generate(model, [k[0] for k in keys], [k[1] for k in keys], pad_id=pad_id, batch_size=batch_size,
                            progress=progress, desc="unedited: locality generations")
     for lp in items:
-        g = gens[uniq[(lp.prompt_ids, lp.k)]]
+        g = until_end(gens[uniq[(lp.prompt_ids, lp.k)]], stops)
         lp.gen_seq = reg.add(lp.prompt_ids, tuple(g), hidden=True)
     # 2. the unedited teacher-forced pass over everything locality needs
     need = sorted({lp.gen_seq for lp in items} | {lp.tf_seq for lp in items if lp.tf_seq is not None})

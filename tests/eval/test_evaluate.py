@@ -14,7 +14,7 @@ from eval_helpers import LAYER, ForceToken, gate_operator, handmade_operator, ti
 from tiny_models import tiny_model, tiny_tokenizer
 
 from aloe_build.data import EditRequest
-from aloe_eval import AloeEditor, EvalReport, UneditedEditor, evaluate, exact_match, relative_drift, token_accuracy
+from aloe_eval import AloeEditor, Editor, EvalReport, UneditedEditor, evaluate, exact_match, relative_drift, token_accuracy
 from aloe_kernels import apply_aloe, remove_aloe
 from aloe_kernels.hf import locate_down_proj
 
@@ -235,3 +235,74 @@ def test_smollm2_small_real_run():
     assert rep.editors["unedited"].summary["paper"]["efficacy"] == 0.0
     assert rep.editors["unedited"].summary["paper"]["locality"] == 1.0
     print(f"SmolLM2 small run: {time.perf_counter() - t0:.1f} s")
+
+
+class _NextTokenRules:
+    """Forward hooks that make a model's next token a function of its current input token
+    (``rules``: input token -> next token; ``other``: the next token after any other input),
+    by a logit bias that outweighs the model's own logits."""
+
+    def __init__(self, rules: dict[int, int], other: int | None = None, bias: float = 1e4):
+        self.rules, self.other, self.bias = rules, other, bias
+        self._hooks: list = []
+
+    def attach(self, model):
+        seen: dict[str, torch.Tensor] = {}
+
+        def remember(_m, args, kwargs):
+            seen["ids"] = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+
+        def bias(_m, _a, out):
+            ids = seen["ids"][:, -out.shape[1]:]  # logits may be kept for the last positions only
+            out = out.clone()
+            for src, dst in self.rules.items():
+                out[..., dst] += self.bias * (ids == src)
+            if self.other is not None:
+                ruled = torch.zeros_like(ids, dtype=torch.bool)
+                for src in self.rules:
+                    ruled |= ids == src
+                out[..., self.other] += self.bias * ~ruled
+            return out
+
+        self._hooks = [model.register_forward_pre_hook(remember, with_kwargs=True),
+                       model.get_output_embeddings().register_forward_hook(bias)]
+
+    def detach(self, model):
+        for h in self._hooks:
+            h.remove()
+
+
+def test_locality_compares_up_to_the_unedited_end_of_sequence(tiny):
+    """The unedited model writes A, EOS, B, A, ... after every locality prompt. A server stops at
+    the EOS, so an editor that changes only what follows it leaves locality at 1; one that changes
+    the token before it does not."""
+    model, tok = tiny
+    ids = {w: tok.convert_tokens_to_ids(w) for w in ("Rome", "piano", "guitar")}
+    eos = tok.eos_token_id
+    a, b, c = ids["Rome"], ids["piano"], ids["guitar"]
+    reqs = [EditRequest("The capital of France is", "Paris", "France",
+                        locality=[{"prompt": "Toko Yasuda plays the", "ground_truth": "the piano and the guitar",
+                                   "kind": "neighborhood"}], id="e0")]
+
+    class Rules(Editor):
+        def __init__(self, name, rules):
+            self.name, self.layer, self._rules = name, LAYER, _NextTokenRules(rules, bias=1e5)
+
+        def attach(self, model):
+            self._rules.attach(model)
+
+        def detach(self, model):
+            self._rules.detach(model)
+
+    script = _NextTokenRules({a: eos, eos: b}, other=a)
+    script.attach(model)
+    try:
+        after = evaluate(model, tok, reqs, Rules("after", {eos: c}), progress=False)
+        before = evaluate(model, tok, reqs, Rules("before", {a: c}), progress=False)
+    finally:
+        script.detach(model)
+    (lp_after,) = after.rows[0]["locality_prompts"]
+    (lp_before,) = before.rows[0]["locality_prompts"]
+    assert lp_after["k"] == 2 and lp_before["k"] == 2  # A and the EOS; the ground truth asked for more
+    assert lp_after["stable"] == 1.0 and after.summary["paper"]["locality"] == 1.0
+    assert lp_before["stable"] == 0.0 and before.summary["paper"]["locality"] == 0.0
