@@ -38,7 +38,7 @@ from .mechanism import build_encoder
 from .models import cache_root, default_layer, model_name
 from .open_gates import open_gates
 from .rollouts import TokenSequences, rollouts, token_sequences
-from .slots import Slot, make_slots
+from .slots import Slot, make_slots, same_prompt_matrix
 from .states import last_token_states, max_context
 from .tokens import encode_continuation
 from .writes import (
@@ -227,7 +227,7 @@ class _Build:
                                                          self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
         soft = seqs.seq_soft[roll["anchor_seq"]]
         negatives = negative_set(roll, self.base.state.anchors if self.base else None)
-        same_prompt = torch.tensor([[a.prompt == b.prompt for b in self.slots] for a in self.slots])
+        same_prompt = same_prompt_matrix(self.slots)
         # (4) refinement
         V = self.stage("4_refine", lambda: self.refine(V0, roll, negatives, same_prompt, soft))["V"]
         # (5) calibration

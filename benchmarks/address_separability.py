@@ -139,6 +139,7 @@ def _stages(run: str, model, tok, edits, layer: int, r_states, rephrases, locali
     """The ``--stages`` readings of a build directory's checkpoints."""
     from safetensors.torch import load_file
 
+    from aloe_build.slots import same_prompt_matrix
     from aloe_build.states import last_token_states
 
     ck = Path(run) / "checkpoints"
@@ -148,7 +149,7 @@ def _stages(run: str, model, tok, edits, layer: int, r_states, rephrases, locali
                  "stage 4 (refined)": load_file(str(ck / "4_refine.safetensors"))["V"]}
     loc_slot = torch.tensor([i for i, e in enumerate(edits) for _ in e.locality], dtype=torch.long)
     loc_last = last_token_states(model, tok, locality, layer, desc="locality prompts, last token")
-    same_prompt = torch.tensor([[a.prompt == b.prompt for b in edits] for a in edits])
+    same_prompt = same_prompt_matrix(edits)
     out = {}
     for name, V in addresses.items():
         out[name] = stage_readings(V, requests, r_states, torch.tensor([i for i, _ in rephrases], dtype=torch.long),

@@ -24,7 +24,7 @@ from aloe_build import addresses as addr
 from aloe_build.config import BuildConfig
 from aloe_build.data import load_edits
 from aloe_build.pipeline import negative_set
-from aloe_build.slots import make_slots
+from aloe_build.slots import make_slots, same_prompt_matrix
 from aloe_kernels.operator import DEFAULT_GATE_EPS
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     slots = make_slots(load_edits(args.edits, limit=args.limit))
     if len(slots) != V0.shape[0]:
         raise SystemExit(f"{len(slots)} slots from the edits but {V0.shape[0]} in the build")
-    same = torch.tensor([[a.prompt == b.prompt for b in slots] for a in slots])
+    same = same_prompt_matrix(slots)
     negatives = negative_set(roll)
     print(f"n={V0.shape[0]} anchors={roll['anchors'].shape[0]} negatives="
           f"{negatives.shared.shape[0] + negatives.specific.shape[0]} threads={torch.get_num_threads()}")
