@@ -190,7 +190,7 @@ def _score_in_chunks(model, tokenizer, requests: list, editors: list[Editor], co
     """Every editor scored on the stream, ``chunk_edits`` edits at a time, each chunk read back
     from or saved to ``parts_dir``; returns the merged results, the sequences scored in this call
     and the number of chunks."""
-    pad = tokenizer_pad_id(tokenizer)
+    pad, stops = tokenizer_pad_id(tokenizer), stop_ids(tokenizer)
     store = ChunkStore(parts_dir) if parts_dir is not None else None
     bounds = chunk_bounds(len(requests), chunk_edits)
     pieces: list[dict[str, EditorResult]] = []
@@ -202,7 +202,7 @@ def _score_in_chunks(model, tokenizer, requests: list, editors: list[Editor], co
             if progress and len(bounds) > 1:
                 print(f"evaluation: chunk {k + 1}/{len(bounds)} (edits {lo}-{hi - 1})", file=sys.stderr)
             reg, plans = plan(tokenizer, requests[lo:hi], start=lo)
-            ref = build_reference(model, reg, plans, pad_id=pad, stops=stop_ids(tokenizer), batch_size=batch_size,
+            ref = build_reference(model, reg, plans, pad_id=pad, stops=stops, batch_size=batch_size,
                                   progress=progress, timings=timings)
             piece = {ed.name: score_editor(model, tokenizer, ed, reg, plans, ref, pad_id=pad, batch_size=batch_size,
                                            progress=progress, open_threshold=open_threshold) for ed in editors}
