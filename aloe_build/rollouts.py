@@ -32,7 +32,17 @@ from .questions import QUESTIONS_VERSION, generic_questions
 from .slots import Slot
 from .states import StateBatch
 from .system_prompts import GENERIC_SYSTEM_PROMPTS
-from .tokens import chat_answer, chat_header_length, chat_prompt, chat_template_key, encode_continuation, encode_prompt, pad_id
+from .tokens import (
+    chat_answer,
+    chat_header_length,
+    chat_prompt,
+    chat_template_key,
+    encode_continuation,
+    encode_prompt,
+    end_index,
+    pad_id,
+    stop_ids,
+)
 
 
 @dataclass
@@ -132,18 +142,19 @@ def continued(model, tokenizer, prompts: list[list[int]], tokens: int, layer: in
               parts: PartStore | None = None, name: str = "continuations", starts: Sequence[int] | None = None
               ) -> tuple[list[list[int]], StateBatch]:
     """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
-    cut before an end-of-sequence token (a server stops there and never feeds it back), and the
+    cut before its first stop token (EOS or end of turn, :func:`~aloe_build.tokens.stop_ids`: a
+    server stops there and never feeds it back), and the
     normalized states of each continued sequence from position ``starts[i]`` (default: its first
     continuation token) to its end, taken while generating (:func:`generate_with_states`), in
     batches of ``batch_size * GENERATION_BATCH_MULTIPLE`` prompts."""
-    eos = tokenizer.eos_token_id
+    stops = stop_ids(tokenizer)
 
     def generate(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
         gens, states = generate_with_states(model, prompts[lo:hi], max(tokens, 0), layer,
                                             starts=None if starts is None else starts[lo:hi],
                                             pad_id=pad_id(tokenizer), batch_size=batch_size * GENERATION_BATCH_MULTIPLE,
                                             tick=tick)
-        kept = [g[: g.index(eos)] if eos in g else g for g in gens]
+        kept = [g[: end_index(g, stops)] for g in gens]
         return kept, [st[: len(st) - (len(g) - len(k))] for st, g, k in zip(states, gens, kept)]
 
     gens, got = chunked_tokens_and_states(parts, f"{name}-with-states", len(prompts), generate, desc,

@@ -97,13 +97,15 @@ def stop_ids(tokenizer) -> set[int]:
     return {t for t in (tokenizer.eos_token_id, end_turn) if t is not None}
 
 
+def end_index(tokens: Sequence[int], stops: set[int]) -> int:
+    """Index of the first stop token in ``tokens`` (``len(tokens)`` when there is none)."""
+    return next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+
+
 def until_end(tokens: Sequence[int], stops: set[int]) -> list[int]:
     """``tokens`` up to and including the first stop token: what a served model returns, since it
     stops there and never generates what would follow."""
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return list(tokens[: i + 1])
-    return list(tokens)
+    return list(tokens[: end_index(tokens, stops) + 1])
 
 
 def pad_id(tokenizer) -> int:

@@ -605,10 +605,25 @@ def test_open_paraphrases_picks_candidates_open_on_their_first_anchor():
     assert _open_paraphrases(op, anchors, anchor_seq, owner, torch.zeros(6, dtype=torch.bool)) == []
 
 
-def test_continuations_stop_before_end_of_sequence():
-    """A continuation is cut before the first end-of-sequence token: a server stops there."""
-    from types import SimpleNamespace
+class _StopTokenizer:
+    """A tokenizer stand-in whose EOS and, optionally, ``<|im_end|>`` are the given ids."""
 
+    def __init__(self, eos: int, end_turn: int | None = None):
+        self.eos_token_id, self.pad_token_id, self.end_turn = eos, 1, end_turn
+
+    def get_vocab(self) -> dict[str, int]:
+        return {} if self.end_turn is None else {"<|im_end|>": self.end_turn}
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self.get_vocab().get(token)
+
+
+def _cut(tokens: list[int], stops: set[int]) -> list[int]:
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in stops), tokens)
+
+
+def test_continuations_stop_before_end_of_sequence():
+    """A continuation is cut before the first EOS or end-of-turn token: a server stops there."""
     from aloe_build.forward import greedy_generate
     from aloe_build.rollouts import continued as _continued
     from aloe_build.states import collect_states
@@ -616,10 +631,15 @@ def test_continuations_stop_before_end_of_sequence():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     prompts = [tok(p)["input_ids"] for p in ("The capital of France is", "Toko Yasuda plays the")]
     gens = greedy_generate(model, prompts, 5, pad_id=1)
+    # an end of turn that is not the EOS token cuts as EOS does
+    unused = next(t for t in range(2, 100) if t not in gens[0] + gens[1])
+    out, _ = _continued(model, _StopTokenizer(eos=unused, end_turn=gens[1][1]), prompts, 5, 1, 2, "t")
+    assert out[1] == prompts[1] + gens[1][: gens[1].index(gens[1][1])]
+    assert out[0] == prompts[0] + _cut(gens[0], {gens[1][1]})
     stop = gens[0][2]  # pretend the third generated token of the first prompt ends a sequence
-    out, states = _continued(model, SimpleNamespace(eos_token_id=stop, pad_token_id=1), prompts, 5, 1, 2, "t")
+    out, states = _continued(model, _StopTokenizer(eos=stop), prompts, 5, 1, 2, "t")
     assert out[0] == prompts[0] + gens[0][: gens[0].index(stop)]
-    assert out[1] == prompts[1] + (gens[1][: gens[1].index(stop)] if stop in gens[1] else gens[1])
+    assert out[1] == prompts[1] + _cut(gens[1], {stop})
     # the states of the kept continuation tokens only, those of one pass over each continued sequence
     want = collect_states(model, tok, out, 1, [range(len(p), len(c)) for p, c in zip(prompts, out)])
     torch.testing.assert_close(states.offsets, want.offsets)
