@@ -118,6 +118,28 @@ def test_min_anchor_scores_over_many_pieces_match_a_brute_force():
     assert torch.equal(V.grad[-1], torch.zeros(d, dtype=torch.float64))
 
 
+def test_slot_anchors_of_a_subset_and_ties():
+    """The anchors of a subset (``rows``), slots with one to many anchors interleaved, and two
+    anchors of equal score: the minimum against a float64 brute force, the gradient through the
+    first of equals."""
+    g = torch.Generator().manual_seed(11)
+    n, m, d = 6, 40, 7
+    V = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    anchors = torch.randn(m, d, generator=g, dtype=torch.float64)
+    anchors[30] = anchors[12]  # a duplicate state: the same score at one slot
+    rows = torch.tensor([3, 12, 30, 5, 7, 8, 9, 20, 21, 1])
+    owner = torch.tensor([0, 2, 2, 4, 4, 4, 4, 0, 1, 0])  # slots 3 and 5 have none
+    got = addr.SlotAnchors(anchors, owner, n, rows).min_scores(V)
+    sub = anchors[rows]
+    want = [(sub[owner == i] @ V[i].detach()).min() if (owner == i).any() else math.inf for i in range(n)]
+    torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64))
+    got[[0, 1, 2, 4]].sum().backward()
+    for i in (0, 1, 2, 4):
+        mine = sub[owner == i]
+        torch.testing.assert_close(V.grad[i], mine[(mine @ V[i].detach()).argmin()])
+    assert torch.equal(V.grad[3], torch.zeros(d, dtype=torch.float64))
+
+
 def test_refinement_loss_falls_and_norms_kept():
     V0, anchors, owner, neg, same = _synthetic()
     cfg = BuildConfig(refine_steps=300, refine_remine_every=50, refine_hard_negatives=8)
