@@ -262,7 +262,7 @@ def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: 
     soft_steps = (2 * cfg.refine_steps) // 3
     V = V0.clone().requires_grad_(True)
     # fused: one pass over V per step instead of a dozen; a third of the unfused step's time at
-    # 1,301 and 7,819 slots, the same addresses within 1e-6 (docs/results.md, "Stage 4 ...")
+    # 1,301 and 7,819 slots, the same addresses within 1e-6 (docs/results.md, "Stage 4 without a per-anchor copy")
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0, fused=True)
     margin = cfg.refine_margin * norms.squeeze(1)
     _check_settings(cfg)
