@@ -166,8 +166,8 @@ class SlotAnchors:
     def __init__(self, anchors: torch.Tensor, owner: torch.Tensor, n: int, rows: torch.Tensor | None = None):
         """``owner[k]`` (< n) is the slot of anchor ``anchors[k]``, or with ``rows`` of ``anchors[rows[k]]``
         (the anchors of a subset, gathered once into the blocks)."""
-        self.n = n
         counts = torch.bincount(owner, minlength=n)
+        self.has = counts > 0  # slots with an anchor (the others score +inf)
         order = torch.argsort(owner, stable=True)  # each slot's anchors in their own order
         starts = torch.cumsum(counts, 0) - counts
         self.groups: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -183,13 +183,11 @@ class SlotAnchors:
         anchor (the first of equals) is found without autograd, and the gradient flows through one
         dot product per slot, the gradient of ``min``."""
         chosen = torch.zeros_like(V)
-        has = torch.zeros(self.n, dtype=torch.bool, device=V.device)
         with torch.no_grad():
             for slots, block in self.groups:
                 j = torch.einsum("scd,sd->sc", block, V[slots]).argmin(1)
                 chosen[slots] = block[torch.arange(len(slots), device=V.device), j]
-                has[slots] = True
-        return torch.where(has, (chosen * V).sum(-1), math.inf)
+        return torch.where(self.has, (chosen * V).sum(-1), math.inf)
 
 
 def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
