@@ -13,6 +13,9 @@ Training uses relation-balanced minibatches of construction items and
 - an orthogonality penalty on the keys,
 - with ``encoder_threshold_weight``, a logistic loss of every score of the
   batch against one learned threshold.
+With ``encoder_dropout``, each step sees its batch's states with that share of
+their coordinates zeroed and renormalized (a regularizer: the maps fit their
+training items much better than new ones without it).
 Encoders are cached per (model weight, layer, corpus, settings).
 """
 
@@ -147,6 +150,15 @@ def batch_loss(cs: CorpusStates, b: torch.Tensor, Q: torch.Tensor, K: torch.Tens
     return loss
 
 
+def dropped_batch(cs: CorpusStates, b: torch.Tensor, rate: float, gen: torch.Generator) -> CorpusStates:
+    """The states of items ``b`` with a random ``rate`` of each state's coordinates zeroed, renormalized."""
+    def drop(x: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(x.shape, generator=gen) >= rate
+        return F.normalize(x * keep, dim=-1)
+
+    return CorpusStates(drop(cs.request[b]), drop(cs.paraphrase[b]), drop(cs.locality[b]), drop(cs.same_subject[b]))
+
+
 def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: BuildConfig) -> AddressEncoder:
     """Fit Q, K, c on the items ``idx``."""
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -163,7 +175,11 @@ def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: Buil
     bar = tqdm(range(cfg.encoder_steps), desc="stage 1: address encoder", leave=False)
     for _ in bar:
         b = torch.tensor([idx[j] for j in next(batches)])
-        loss = batch_loss(cs, b, Q, K, log_c, threshold, cfg)
+        if cfg.encoder_dropout:
+            loss = batch_loss(dropped_batch(cs, b, cfg.encoder_dropout, gen), torch.arange(len(b)), Q, K, log_c,
+                              threshold, cfg)
+        else:
+            loss = batch_loss(cs, b, Q, K, log_c, threshold, cfg)
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 1 (address encoder): loss became NaN/Inf")
         opt.zero_grad()

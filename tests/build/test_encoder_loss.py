@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from aloe_build.config import BuildConfig
-from aloe_build.encoder import CorpusStates, batch_loss
+from aloe_build.encoder import CorpusStates, batch_loss, dropped_batch, train_encoder
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -81,3 +81,40 @@ def test_batch_loss_matches_the_term_by_term_reference(batch_negatives, threshol
     got = float(batch_loss(cs, torch.tensor(b), Q, K, log_c, threshold, cfg))
     want = _reference(cs, b, Q, K, math.exp(0.8), 0.3, cfg)
     assert got == pytest.approx(want, rel=1e-10)
+
+
+def test_dropped_batch_zeroes_about_its_rate_and_renormalizes_the_batch_items_only():
+    g = torch.Generator().manual_seed(3)
+    N, S, d = 7, 2, 400
+    cs = CorpusStates(*(_unit(torch.randn(*shape, generator=g)) for shape in ((N, d), (N, d), (N, d), (N, S, d))))
+    b = torch.tensor([1, 4, 6])
+    out = dropped_batch(cs, b, 0.3, torch.Generator().manual_seed(5))
+    for name, x in (("request", out.request), ("paraphrase", out.paraphrase), ("locality", out.locality),
+                    ("same_subject", out.same_subject)):
+        src = getattr(cs, name)[b]
+        assert x.shape == src.shape
+        assert torch.allclose(x.norm(dim=-1), torch.ones(x.shape[:-1]), atol=1e-5)
+        zeroed = x == 0
+        assert 0.25 < float(zeroed.float().mean()) < 0.35  # 0.3 of about 2,000 coordinates
+        # what is kept is the source's coordinates, rescaled by one factor per state
+        kept = src.masked_fill(zeroed, 0)
+        assert torch.allclose(x, kept / kept.norm(dim=-1, keepdim=True), atol=1e-6)
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0])
+def test_encoder_dropout_outside_zero_to_one_is_refused(rate):
+    with pytest.raises(ValueError, match="encoder_dropout"):
+        BuildConfig(encoder_dropout=rate)
+
+
+def test_encoder_dropout_zero_trains_as_before_and_nonzero_differs():
+    g = torch.Generator().manual_seed(2)
+    N, S, d = 24, 2, 16
+    cs = CorpusStates(*(_unit(torch.randn(*shape, generator=g)) for shape in ((N, d), (N, d), (N, d), (N, S, d))))
+    groups = [f"r{i % 3}" for i in range(N)]
+    base = dict(encoder_dim=4, encoder_steps=5, encoder_batch=8)
+    a = train_encoder(cs, groups, list(range(N)), BuildConfig(**base))
+    b = train_encoder(cs, groups, list(range(N)), BuildConfig(**base, encoder_dropout=0.0))
+    c = train_encoder(cs, groups, list(range(N)), BuildConfig(**base, encoder_dropout=0.3))
+    assert torch.equal(a.Q, b.Q) and torch.equal(a.K, b.K)
+    assert not torch.allclose(a.Q, c.Q)
