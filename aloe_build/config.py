@@ -64,7 +64,7 @@ class BuildConfig:
     encoder_threshold_weight: float = _at(1, 0.0)
     # share of each training state's coordinates zeroed at every step before it is renormalized:
     # the encoder fits its training items far better than new ones (locality AUC 0.990 against
-    # 0.956), and dropout narrows that gap (docs/results.md, "Address mechanism")
+    # 0.956), and dropout narrows that gap (docs/results.md, "The encoder overfits its training items")
     encoder_dropout: float = _at(1, 0.0)
     encoder_cache: str | None = _at(1, None)  # directory of cached encoders; None = $ALOE_CACHE/encoders
 

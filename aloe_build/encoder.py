@@ -21,6 +21,7 @@ Encoders are cached per (model weight, layer, corpus, settings).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -156,7 +157,7 @@ def dropped_batch(cs: CorpusStates, b: torch.Tensor, rate: float, gen: torch.Gen
         keep = torch.rand(x.shape, generator=gen) >= rate
         return F.normalize(x * keep, dim=-1)
 
-    return CorpusStates(drop(cs.request[b]), drop(cs.paraphrase[b]), drop(cs.locality[b]), drop(cs.same_subject[b]))
+    return CorpusStates(*(drop(getattr(cs, f.name)[b]) for f in dataclasses.fields(cs)))
 
 
 def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: BuildConfig) -> AddressEncoder:
@@ -175,11 +176,9 @@ def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: Buil
     bar = tqdm(range(cfg.encoder_steps), desc="stage 1: address encoder", leave=False)
     for _ in bar:
         b = torch.tensor([idx[j] for j in next(batches)])
-        if cfg.encoder_dropout:
-            loss = batch_loss(dropped_batch(cs, b, cfg.encoder_dropout, gen), torch.arange(len(b)), Q, K, log_c,
-                              threshold, cfg)
-        else:
-            loss = batch_loss(cs, b, Q, K, log_c, threshold, cfg)
+        states, rows = (dropped_batch(cs, b, cfg.encoder_dropout, gen), torch.arange(len(b))) if cfg.encoder_dropout \
+            else (cs, b)
+        loss = batch_loss(states, rows, Q, K, log_c, threshold, cfg)
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 1 (address encoder): loss became NaN/Inf")
         opt.zero_grad()
