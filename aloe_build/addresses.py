@@ -465,12 +465,14 @@ def calibrate(
     gate_eps: float,
     cfg: BuildConfig,
     soft: torch.Tensor | None = None,
+    open_at: torch.Tensor | None = None,
 ) -> Calibration:
     """Stage 5: thresholds and temperatures from the worst anchor and the worst negative of each slot.
 
     Anchors marked ``soft`` count only where they clear the slot's worst negative by at least
     ``calibration_soft_floor`` of its required anchors' gap: a paraphrase that the address cannot
-    separate from a negative is left out rather than opening the gate on that negative."""
+    separate from a negative is left out rather than opening the gate on that negative. ``open_at``
+    gives each slot its own ``calibration_open_at`` (chat slots, :mod:`aloe_build.chat_slots`)."""
     if not 0.0 < cfg.calibration_open_at <= 1.0:
         raise ValueError(f"calibration_open_at must be in (0, 1], got {cfg.calibration_open_at}")
     soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
@@ -484,7 +486,7 @@ def calibrate(
         counted = (s_soft >= floor[soft_own]) & (s_pos > s_neg)[soft_own]
         s_pos = torch.minimum(s_pos, min_anchor_scores(V, soft_a[counted], soft_own[counted]))
     norms = V.norm(dim=1).clamp_min(1e-12)
-    tau, alpha, separable = _closed_form(s_pos, s_neg, norms, gate_eps, cfg)
+    tau, alpha, separable = _closed_form(s_pos, s_neg, norms, gate_eps, cfg, open_at)
     bad = (~separable).nonzero().squeeze(1)
     if bad.numel():
         tau_b, alpha_b = _fit_inseparable(
@@ -498,10 +500,11 @@ def calibrate(
     return Calibration(tau, alpha, separable, s_pos, s_neg)
 
 
-def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, gate_eps: float, cfg: BuildConfig
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, gate_eps: float, cfg: BuildConfig,
+                 open_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thresholds, temperatures and separability from each slot's worst anchor and worst negative
-    scores; an inseparable slot gets the midpoint at ``inseparable_temperature``."""
+    scores; an inseparable slot gets the midpoint at ``inseparable_temperature``. ``open_at``: each
+    slot's ``calibration_open_at`` (default: the configured one for all)."""
     p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
     z_pos = _logit(p_open)
     # the worst negative lands this many logits below the dead-zone edge: its gate is exactly 0
@@ -510,15 +513,15 @@ def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, 
     separable = gap > 1e-6 * norms
     # the gate reaches open_gate this far from the worst negative towards the worst anchor
     # (1 = at the worst anchor, the paper's calibration; less opens states between the two wider)
-    reach = cfg.calibration_open_at * gap
+    reach = (cfg.calibration_open_at if open_at is None else open_at.to(gap)) * gap
     alpha = torch.where(separable, (z_pos - z_neg) / reach.clamp_min(1e-12), cfg.inseparable_temperature / norms)
     tau = torch.where(separable, s_neg + reach - z_pos / alpha, (s_pos + s_neg) / 2)
     return tau, alpha, separable
 
 
 def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: torch.Tensor, s_neg: torch.Tensor,
-                states: Sequence[torch.Tensor], gate_eps: float, cfg: BuildConfig, chunk: int = 8192
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                states: Sequence[torch.Tensor], gate_eps: float, cfg: BuildConfig, chunk: int = 8192,
+                open_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 5 again for the slots that would open on new negative ``states`` (an append's anchors
     and negatives). Only the new states a slot can separate from its own anchors count, those
     scoring below its worst positive: the highest of them becomes the slot's worst negative and the
@@ -530,7 +533,8 @@ def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: 
     temperature and moves its threshold just far enough that the new state falls in the dead zone
     (locality first, as stage 5 does for inseparable slots).
 
-    Returns ``(tau, alpha, s_neg, changed)``: the updated (n,) tensors and the indices recalibrated."""
+    ``open_at``: each slot's ``calibration_open_at``, as for :func:`calibrate`. Returns ``(tau, alpha,
+    s_neg, changed)``: the updated (n,) tensors and the indices recalibrated."""
     floor = tau + _logit(gate_eps) / alpha  # scores at or below this are in the dead zone
     best = torch.full_like(s_neg, -math.inf)
     with torch.no_grad():
@@ -543,7 +547,8 @@ def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: 
     if changed.numel():
         s_neg[changed] = torch.maximum(s_neg[changed], best[changed])
         norms = V[changed].norm(dim=1).clamp_min(1e-12)
-        t, a, sep = _closed_form(s_pos[changed], s_neg[changed], norms, gate_eps, cfg)
+        t, a, sep = _closed_form(s_pos[changed], s_neg[changed], norms, gate_eps, cfg,
+                                 None if open_at is None else open_at[changed.cpu()])
         a = torch.where(sep, a, alpha[changed])
         # the margin of calibration_negative_slack logits below the dead-zone edge, as for any negative
         t = torch.where(sep, t, best[changed] - (_logit(gate_eps) - cfg.calibration_negative_slack) / a)

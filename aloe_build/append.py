@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 from aloe_kernels import AloeOperator
 
 from .build_state import BuildState
+from .chat_slots import entry_id, is_chat_entry
 from .config import BuildConfig
 from .data import EditRequest
 from .pipeline import AppendBase, BuildError, _Build
@@ -53,7 +54,7 @@ def load_with_state(path: str | os.PathLike) -> tuple[AloeOperator, BuildState]:
 def plan_append(op: AloeOperator, requests: Sequence[EditRequest]) -> AppendPlan:
     """Sort ``requests`` against ``op``: the same (prompt, target) is already present; the same prompt
     with another target, or an id the operator already uses, is a conflict; the rest is new."""
-    by_prompt = {str(e.get("request")): e for e in op.edits}
+    by_prompt = {str(e.get("request")): e for e in op.edits if not is_chat_entry(e)}
     used_ids = {str(i) for e in op.edits for i in [e.get("id"), *(e.get("ids") or [])] if i is not None}
     plan = AppendPlan()
     for r in requests:
@@ -150,7 +151,7 @@ def remove_edits(op: AloeOperator, state: BuildState, ids: Sequence[str]) -> tup
         left = [i for i in slot_ids if i not in drop]
         if left:
             keep.append(row)
-            edits.append({**e, "id": left[0], "ids": left})
+            edits.append({**e, "id": entry_id(left, e), "ids": left})
     kept = op.select(keep)
     kept.edits = edits
     return kept, state.select(keep)

@@ -178,6 +178,14 @@ class BuildConfig:
     # the free one elsewhere. The kept ones hold more of the encoder's geometry, which carries
     # rewordings (0: off; docs/results.md, "Refinement held near the encoder")
     refine_pull: float = _at(4, 0.0)
+    # With chat positives, each edit's chat forms get a slot of their own (stored after the requests'
+    # slots, with the edit's ids and ``"form": "chat"``): its anchors are the chat forms, the request's
+    # slot keeps the request and its prefixed forms, and each is refined, calibrated and written on its
+    # own. The chat slot is calibrated at its worst anchor whatever ``calibration_open_at`` says, so
+    # that wider gates for rewordings do not widen the gates that open at a chat template's assistant
+    # header, which every conversation passes (docs/results.md, "One slot for the request, one for its
+    # chat forms"). Doubles the slots.
+    chat_slots: bool = _at(4, False)
 
     # (5) calibration
     open_gate: float = _at(5, 0.9)  # gate of the worst positive of a separable slot
@@ -248,6 +256,8 @@ class BuildConfig:
                 raise ValueError(f"BuildConfig: {name}: {err}") from None
         if not 0.0 <= self.encoder_dropout < 1.0:
             raise ValueError(f"BuildConfig: encoder_dropout must be in [0, 1), got {self.encoder_dropout}")
+        if self.chat_slots and not self.positives_chat:
+            raise ValueError("BuildConfig: chat_slots needs positives_chat (the chat forms are its anchors)")
         if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):
             raise ValueError(f"BuildConfig: negatives_chat_systems must be between 0 and "
                              f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)")

@@ -27,6 +27,7 @@ from aloe_kernels.reference import gates_from_scores
 
 from . import addresses as addr
 from .build_state import BuildState
+from .chat_slots import chat_entries, chat_slot_owner, open_at_of
 from .checkpoints import StageCheckpoints, run_key
 from .config import BuildConfig
 from .corpus import Corpus, load_corpus
@@ -226,13 +227,16 @@ class _Build:
         roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, pool_dir,
                                                          self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
         soft = seqs.seq_soft[roll["anchor_seq"]]
-        negatives = negative_set(roll, self.base.state.anchors if self.base else None)
-        same_prompt = same_prompt_matrix(self.slots)
+        if cfg.chat_slots:  # slot n + i takes the chat forms of slot i, from slot i's initial address
+            roll = {**roll, "anchor_owner": chat_slot_owner(roll["anchor_owner"], seqs.seq_chat[roll["anchor_seq"]], self.n)}
+            V0 = torch.cat([V0, V0])
+        negatives = negative_set(roll, self.base.state.anchors if self.base else None, self.n if cfg.chat_slots else 0)
+        same_prompt = same_prompt_matrix(self.slots * (2 if cfg.chat_slots else 1))
         # (4) refinement
         V = self.stage("4_refine", lambda: self.refine(V0, roll, negatives, same_prompt, soft))["V"]
         # (5) calibration
         cal = self.stage("5_calibrate", lambda: self.calibrate(V, roll, negatives, same_prompt, soft))
-        gated = self.operator(V, cal, torch.zeros(self.n, self.site.d_out))
+        gated = self.operator(V, cal, torch.zeros(V.shape[0], self.site.d_out))
         state = BuildState(roll["anchors"], roll["anchor_owner"], cal["worst_positive"], cal["worst_negative"],
                            cfg.to_dict())
         if self.base is None:
@@ -253,7 +257,7 @@ class _Build:
             self.out.mkdir(parents=True, exist_ok=True)
             state.save(self.out, op)
             (self.out / "build_report.json").write_text(json.dumps(
-                {"config": cfg.to_dict(), "slots": self.n, "edits": len(self.requests), "stages": self.report.stages},
+                {"config": cfg.to_dict(), "slots": new.n, "edits": len(self.requests), "stages": self.report.stages},
                 indent=1, default=str))
         return op
 
@@ -268,7 +272,8 @@ class _Build:
                 st.worst_positive.to(dev), st.worst_negative.to(dev),
                 # what a one-shot build makes a negative of every slot: the new anchors and continuations
                 # (a new edit's own negatives are negatives of that edit only, there as here)
-                [roll[k] for k in ("anchors", "continuations")], old.gate_eps, self.cfg)
+                [roll[k] for k in ("anchors", "continuations")], old.gate_eps, self.cfg,
+                open_at=open_at_of(old.edits, self.cfg))
             return ({"tau": tau.cpu(), "alpha": alpha.cpu(), "worst_negative": s_neg.cpu()},
                     {"old_slots": old.n, "recalibrated": int(changed.numel())})
 
@@ -301,17 +306,23 @@ class _Build:
 
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V, anchors, owner, neg, same, soft = self.on_device(V, roll, negatives, same_prompt, soft)
-        cal = addr.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft)
+        cal = addr.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft,
+                             open_at_of(self.entries(V.shape[0]), self.cfg))
         info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum())}
         return {"tau": cal.thresholds.cpu(), "alpha": cal.temperatures.cpu(),
                 "separable": cal.separable.to(torch.uint8).cpu(), "worst_positive": cal.worst_positive.cpu(),
                 "worst_negative": cal.worst_negative.cpu()}, info
 
-    def operator(self, V: torch.Tensor, cal: dict[str, torch.Tensor], writes: torch.Tensor) -> AloeOperator:
+    def entries(self, m: int) -> list[dict[str, Any]]:
+        """The operator's metadata of ``m`` slots: one per request slot, then (with chat slots, m = 2n)
+        one per chat slot."""
         edits = [{"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject}
                  for s in self.slots]
+        return edits + chat_entries(edits) if m > self.n else edits
+
+    def operator(self, V: torch.Tensor, cal: dict[str, torch.Tensor], writes: torch.Tensor) -> AloeOperator:
         return AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"], writes=writes,
-                            eps=DEFAULT_EPS, gate_eps=DEFAULT_GATE_EPS, edits=edits, layer=self.layer,
+                            eps=DEFAULT_EPS, gate_eps=DEFAULT_GATE_EPS, edits=self.entries(V.shape[0]), layer=self.layer,
                             module_path=self.site.path, base_model=model_name(self.model),
                             weight_fingerprint=self.fingerprint)
 
@@ -323,7 +334,10 @@ class _Build:
         # not trained on: the request's write carries to them.
         train_seqs = list(range(n)) + seqs.trained + _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"],
                                                                        seqs.seq_owner, seqs.seq_soft)
-        train_owner = seqs.seq_owner[train_seqs].tolist()
+        train_owner = seqs.seq_owner[train_seqs]
+        if gated.n > n:  # chat slots: the chat forms train their own slot's write
+            train_owner = chat_slot_owner(train_owner, seqs.seq_chat[train_seqs], n)
+        train_owner = train_owner.tolist()
         all_prompts = seqs.prompts + seqs.extra_prompts
         target_lens = [min(len(seqs.target(j)), cfg.max_target_tokens) for j in train_seqs]
         tseqs = [all_prompts[j] + seqs.target(j)[: cfg.max_target_tokens] for j in train_seqs]
@@ -335,9 +349,10 @@ class _Build:
                 shared.append(edited_forward(self.model, self.tokenizer, tseqs, target_lens, train_owner, gated, cfg))
             return shared[0]
 
-        # what each slot's write target is fitted on: its request (row i), and with target_chat_forms its chat forms
-        rows_of = [[i] for i in range(n)]
-        if cfg.target_chat_forms:
+        # what each slot's write target is fitted on: its request (row i), and with target_chat_forms its chat
+        # forms; a chat slot's, on its chat forms
+        rows_of = [[i] for i in range(n)] + [[] for _ in range(gated.n - n)]
+        if cfg.target_chat_forms or gated.n > n:
             chat = set(seqs.trained)
             for k, (j, owner) in enumerate(zip(train_seqs, train_owner)):
                 if j in chat:
@@ -371,17 +386,22 @@ class _Build:
         return self.stage("8_finetune", finetune)["U"]
 
 
-def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None) -> addr.NegativeSet:
+def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None, chat_slots: int = 0
+                 ) -> addr.NegativeSet:
     """Anchors and request continuations are negatives of every slot but their own (and those of
     the same prompt, see NegativeSet.top); the corpus pool, and the anchors of the operator an
-    append builds on, of every slot."""
+    append builds on, of every slot. With ``chat_slots`` (the n request slots of a build with chat
+    slots) an edit's own negatives are negatives of its chat slot n + i too."""
     everyone = roll["pool"] if base_anchors is None else torch.cat([roll["pool"], base_anchors])
+    specific, owner = roll["specific"], roll["specific_owner"]
+    if chat_slots:
+        specific, owner = torch.cat([specific, specific]), torch.cat([owner, owner + chat_slots])
     return addr.NegativeSet(
         shared=torch.cat([everyone, roll["anchors"], roll["continuations"]]),
         shared_owner=torch.cat([torch.full((everyone.shape[0],), -1, dtype=torch.long), roll["anchor_owner"],
                                 roll["continuation_owner"]]),
-        specific=roll["specific"],
-        specific_owner=roll["specific_owner"],
+        specific=specific,
+        specific_owner=owner,
     )
 
 

@@ -58,10 +58,13 @@ class TokenSequences:
     extra_soft: list[bool]
     extra_targets: list[list[int]] = field(default_factory=list)  # the target each extra continues with
     extra_along: list[bool] = field(default_factory=list)  # anchored along its target (else last prompt token)
+    extra_chat: list[bool] = field(default_factory=list)  # the request asked through the chat template
 
-    def add(self, prompt: list[int], owner: int, soft: bool, along: bool, target: list[int] | None = None) -> None:
+    def add(self, prompt: list[int], owner: int, soft: bool, along: bool, target: list[int] | None = None,
+            chat: bool = False) -> None:
         if along and self.extra_along and not self.extra_along[-1]:
             raise ValueError("extras anchored along a target must come before those anchored at the prompt")
+        self.extra_chat.append(chat)
         self.extra_prompts.append(prompt)
         self.extra_owner.append(owner)
         self.extra_soft.append(soft)
@@ -93,6 +96,11 @@ class TokenSequences:
     def seq_soft(self) -> torch.Tensor:
         return torch.tensor([False] * len(self.prompts) + self.extra_soft, dtype=torch.bool)
 
+    @property
+    def seq_chat(self) -> torch.Tensor:
+        """Whether each anchor sequence is a chat form (a request asked through the chat template)."""
+        return torch.tensor([False] * len(self.prompts) + self.extra_chat, dtype=torch.bool)
+
 
 def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: BuildConfig) -> TokenSequences:
     """Requests, targets and the extra positives of every slot (each kind from its own generator,
@@ -113,7 +121,7 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
                 seqs.add(encode_prompt(tokenizer, text), i, soft=True, along=True)
     # The request as a chat model is asked: the answer starts with the target (no leading space).
     for i, ids in chat_forms(tokenizer, slots, cfg):
-        seqs.add(ids, i, soft=False, along=True, target=chat_answer(tokenizer, slots[i].target))
+        seqs.add(ids, i, soft=False, along=True, target=chat_answer(tokenizer, slots[i].target), chat=True)
     # The request after corpus statements: the edit must fire whatever text comes before it, so
     # these anchors are required like the request's own.
     prefix_rng = random.Random(cfg.seed + 3)

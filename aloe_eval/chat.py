@@ -67,7 +67,7 @@ def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system:
     gates = editor.slot_activations(h)
     own, missed = [], []
     for i, r in enumerate(requests):
-        slot = editor.slot_of(r, i)
+        slot = editor.chat_slot_of(r, i)
         if slot is not None:
             own.append(float(gates[i, slot]))
             missed.append(not hit[i])
@@ -174,7 +174,7 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
             loc_prompts = [chat_prompt(tokenizer, locs[k], system) for k in changed]
             out[name]["locality_changes"] = changed_locality_gates(
                 model, tokenizer, editor, loc_prompts, [base_loc[k] for k in changed], [loc[k] for k in changed],
-                [editor.slot_of(requests[loc_owner[k]], loc_owner[k]) for k in changed], open_threshold, batch_size)
+                [editor.chat_slot_of(requests[loc_owner[k]], loc_owner[k]) for k in changed], open_threshold, batch_size)
     return out
 
 

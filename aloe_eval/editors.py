@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aloe_build.chat_slots import CHAT_ID_SUFFIX, is_chat_entry
 from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
 
 
@@ -38,6 +39,11 @@ class Editor:
 
     def slot_of(self, request: Any, index: int) -> int | None:
         return None
+
+    def chat_slot_of(self, request: Any, index: int) -> int | None:
+        """The slot a request asked through the chat template is addressed to (its :meth:`slot_of`
+        unless the editor keeps a slot for chat forms)."""
+        return self.slot_of(request, index)
 
     def info(self) -> dict[str, Any]:
         return {}
@@ -78,6 +84,9 @@ class AloeEditor(Editor):
             for rid in [e.get("id"), *(e.get("ids") or [])]:
                 if rid is not None:
                     self._by_id.setdefault(str(rid), i)
+        # a chat slot's "ids" are its edit's, so the request slot (listed first) is what they name
+        self._chat_of = {self._by_id[request_id]: i for i, e in enumerate(op.edits) if is_chat_entry(e)
+                         and (request_id := str(e["id"]).removesuffix(CHAT_ID_SUFFIX)) in self._by_id}
         self._by_text: dict[tuple[str, str], int] = {}
         for i, e in enumerate(op.edits):
             key = (str(e.get("request") or "").strip(), str(e.get("target") or "").strip())
@@ -106,6 +115,13 @@ class AloeEditor(Editor):
         if rid is not None and str(rid) in self._by_id:
             return self._by_id[str(rid)]
         return self._by_text.get((request.prompt.strip(), request.target_new.strip()))
+
+    def chat_slot_of(self, request: Any, index: int) -> int | None:
+        """The edit's chat slot where the operator has one (``BuildConfig.chat_slots``), else its slot."""
+        slot = self.slot_of(request, index)
+        if slot is None:
+            return None
+        return self._chat_of.get(slot, slot)
 
     def info(self) -> dict[str, Any]:
         op = self.op
