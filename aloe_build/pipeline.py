@@ -184,7 +184,8 @@ class _Build:
         self.report = BuildReport()
         self.slots: list[Slot] = make_slots(requests)
         self.n = len(self.slots)
-        self.say(f"building {self.n} slots for {len(requests)} edits at {self.site.path}")
+        chat = f" and {self.n} chat slots" if cfg.chat_slots else ""
+        self.say(f"building {self.n} slots{chat} for {len(requests)} edits at {self.site.path}")
         self.rng = random.Random(cfg.seed)
 
     def stage(self, name: str, fn: Callable[[], tuple[dict[str, torch.Tensor], dict]]) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from test_addresses import _synthetic
-from test_pipeline import _edits, _rows_contain, _tiny_cfg
+from test_pipeline import _edits, _rows_contain, _tiny_cfg, recording_write_targets
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 from aloe_build import addresses as addr
@@ -63,8 +63,8 @@ def test_an_edits_own_negatives_are_its_chat_slots_too():
 
 @pytest.fixture(scope="module")
 def chat_built(tmp_path_factory):
-    """Three edits (two slots share nothing) built with chat slots and wide request gates, the
-    sequences each write target was fitted on recorded."""
+    """Three edits built with chat slots and wide request gates, the sequences each write target
+    was fitted on recorded."""
     import aloe_build.pipeline as pipeline
 
     tmp = tmp_path_factory.mktemp("chat_slots")
@@ -73,12 +73,7 @@ def chat_built(tmp_path_factory):
     edits = _edits()[:3]
     seen = []
     real = pipeline.write_targets
-
-    def spy(fwd, cfg, parts=None, rows_of=None, stats=None):
-        seen.append([[fwd.seqs[j] for j in rows] for rows in rows_of])
-        return real(fwd, cfg, parts, rows_of, stats)
-
-    pipeline.write_targets = spy
+    pipeline.write_targets = recording_write_targets(seen)
     try:
         cfg = _tiny_cfg(tmp, positives_chat=True, positives_prefixed=0, chat_slots=True, calibration_open_at=0.5,
                         refine_steps=200)

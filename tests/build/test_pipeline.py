@@ -343,6 +343,20 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
             assert not _rows_contain(roll["anchors"][roll["anchor_owner"] != i], h)
 
 
+def recording_write_targets(seen: list):
+    """Stage 6's ``write_targets``, which first appends to ``seen`` the token sequences each slot's
+    target is fitted on (one list per slot)."""
+    import aloe_build.pipeline as pipeline
+
+    real = pipeline.write_targets
+
+    def spy(fwd, cfg, parts=None, rows_of=None, stats=None):
+        seen.append([[fwd.seqs[j] for j in rows] for rows in rows_of])
+        return real(fwd, cfg, parts, rows_of, stats)
+
+    return spy
+
+
 def test_target_chat_forms_fit_each_write_target_on_its_request_and_chat_form(tmp_path, monkeypatch):
     """With ``target_chat_forms`` stage 6 fits slot i's target on its request and on its chat form
     (the sequence of chat prompt + answer); without, on the request alone."""
@@ -353,17 +367,11 @@ def test_target_chat_forms_fit_each_write_target_on_its_request_and_chat_form(tm
     tok.chat_template = TINY_CHAT_TEMPLATE
     edits = _edits()[:3]
     seen = []
-    real = pipeline.write_targets
-
-    def spy(fwd, cfg, parts=None, rows_of=None, stats=None):
-        seen.append(([fwd.seqs[j] for j in rows] for rows in rows_of))
-        return real(fwd, cfg, parts, rows_of, stats)
-
-    monkeypatch.setattr(pipeline, "write_targets", spy)
+    monkeypatch.setattr(pipeline, "write_targets", recording_write_targets(seen))
     for forms in (False, True):
         build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0,
                                                     target_chat_forms=forms), out_dir=tmp_path / f"t{forms}", log=None)
-        fitted_on = list(seen.pop())
+        fitted_on = seen.pop()
         for e, seqs in zip(edits, fitted_on):
             prompt, target = encode_continuation(tok, e.prompt, e.target_new)
             want = [list(prompt) + list(target)]
