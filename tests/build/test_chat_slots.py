@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,8 +12,9 @@ from test_pipeline import _edits, _rows_contain, _tiny_cfg, recording_write_targ
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 from aloe_build import addresses as addr
-from aloe_build.append import load_with_state, plan_append, remove_edits
+from aloe_build.append import append_edits, load_with_state, plan_append, remove_edits, update_edits
 from aloe_build.config import BuildConfig
+from aloe_build.data import EditRequest
 from aloe_build.pipeline import build_operator, negative_set
 from aloe_build.states import collect_states
 from aloe_build.tokens import chat_answer, chat_prompt, encode_continuation
@@ -150,3 +152,17 @@ def test_a_chat_slot_shared_by_two_edits_keeps_a_unique_id(chat_built):
     shared.edits[5] = {**shared.edits[5], "ids": ["c", "c-dup"]}
     kept, _state = remove_edits(shared, state, ["c"])
     assert kept.ids == ["a", "b", "c-dup", "a#chat", "b#chat", "c-dup#chat"]
+
+
+def test_append_and_update_give_new_edits_chat_slots_too(chat_built, tmp_path):
+    """An operator built with chat slots appends with its own config: each new edit gets both slots,
+    and correcting a fact replaces both of its slots."""
+    model, tok, edits, op, _seen, out = chat_built
+    new = EditRequest(prompt="The capital of Italy is", target_new="Paris", subject="Italy", id="d")
+    grown = append_edits(model, tok, out, [new], out_dir=tmp_path / "grown", log=None)
+    assert grown.ids == [e["id"] for e in op.edits] + ["d", "d#chat"]
+    assert [e.get("form") for e in grown.edits[-2:]] == [None, "chat"]
+    corrected = dataclasses.replace(edits[1], target_new="Paris")
+    updated = update_edits(model, tok, out, [corrected], out_dir=tmp_path / "updated", log=None)
+    assert sorted(updated.ids) == sorted(e["id"] for e in op.edits)
+    assert {e["target"] for e in updated.edits if e["ids"] == ["b"]} == {"Paris"}
