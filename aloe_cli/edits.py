@@ -51,7 +51,7 @@ def _cmd_append(args: argparse.Namespace, update: bool = False) -> int:
         from aloe_build.append import load_with_state
 
         load_with_state(args.operator)[1].save(out, op)
-    print(f"wrote {op.n} edits to {out}")
+    print(f"wrote {op.n} slots to {out}")
     return 0
 
 

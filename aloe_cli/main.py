@@ -62,7 +62,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     op = build_operator(model, tokenizer, requests, cfg, out_dir=out)
     op.save(out)
-    print(f"wrote {op.n} edits to {out} (report: {out / 'build_report.json'})")
+    print(f"wrote {len(requests)} edits ({op.n} slots) to {out} (report: {out / 'build_report.json'})")
     return 0
 
 
