@@ -19,7 +19,7 @@ gate is not open) or ``write`` (it is, and the answer still lacks the target).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 
@@ -80,13 +80,13 @@ def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system:
 
 
 def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[list[int]],
-                           unedited: Sequence[list[int]], edited: Sequence[list[int]], owner_slots: Sequence[int | None],
+                           unedited: Sequence[list[int]], edited: Sequence[list[int]], owner_slots: Sequence[Collection[int]],
                            open_threshold: float = 0.5, batch_size: int = 32) -> dict[str, Any]:
     """Where the changed chat-locality answers changed: for each, the largest gate of any slot on the
     states that predict its answer up to the first changed token (the chat prompt, then the unedited
     answer so far), counted by size (``open``: at least ``open_threshold``; ``small``; ``closed``: no
-    gate at all, so not the operator's doing), by slot (the locality prompt's own edit's or another)
-    and by where it sits (in the prompt or in the answer)."""
+    gate at all, so not the operator's doing), by slot (one of ``owner_slots``, the slots of the
+    locality prompt's own edit, or another) and by where it sits (in the prompt or in the answer)."""
     seqs, prompt_lens = [], []
     for p, a, b in zip(prompts, unedited, edited):
         seqs.append(list(p) + list(a[: common_prefix_length(a, b)]))
@@ -103,7 +103,7 @@ def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[l
             counts["closed"] += 1
             continue
         counts["open" if float(best) >= open_threshold else "small"] += 1
-        counts["own_slot" if int(g[pos].argmax()) == own else "other_slot"] += 1
+        counts["own_slot" if int(g[pos].argmax()) in own else "other_slot"] += 1
         counts["in_prompt" if int(pos) < n_prompt else "in_answer"] += 1
     return counts
 
@@ -174,7 +174,7 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
             loc_prompts = [chat_prompt(tokenizer, locs[k], system) for k in changed]
             out[name]["locality_changes"] = changed_locality_gates(
                 model, tokenizer, editor, loc_prompts, [base_loc[k] for k in changed], [loc[k] for k in changed],
-                [editor.chat_slot_of(requests[loc_owner[k]], loc_owner[k]) for k in changed], open_threshold, batch_size)
+                [editor.edit_slots(requests[loc_owner[k]], loc_owner[k]) for k in changed], open_threshold, batch_size)
     return out
 
 

@@ -45,6 +45,11 @@ class Editor:
         unless the editor keeps a slot for chat forms)."""
         return self.slot_of(request, index)
 
+    def edit_slots(self, request: Any, index: int) -> tuple[int, ...]:
+        """Every slot of the request's edit: its slot and, where it differs, its chat slot."""
+        return tuple(dict.fromkeys(s for s in (self.slot_of(request, index), self.chat_slot_of(request, index))
+                                   if s is not None))
+
     def info(self) -> dict[str, Any]:
         return {}
 

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     differ = sum(a != b for a, b in zip(unedited, edited))
     print(f"changed locality prompts in the evaluation: {len(changed)}; "
           f"{differ} of them differ within {args.tokens} tokens here")
-    counts = changed_locality_gates(model, tokenizer, editor, prompts, unedited, edited, [s for _, s in changed])
+    counts = changed_locality_gates(model, tokenizer, editor, prompts, unedited, edited,
+                                    [() if s is None else (s,) for _, s in changed])
     print("largest gate before the first changed token:", json.dumps(counts))
     for (q, _), a in list(zip(changed, unedited))[: args.show]:
         print(f"{q!r} -> {tokenizer.decode(a)!r}")

@@ -166,3 +166,10 @@ def test_append_and_update_give_new_edits_chat_slots_too(chat_built, tmp_path):
     updated = update_edits(model, tok, out, [corrected], out_dir=tmp_path / "updated", log=None)
     assert sorted(updated.ids) == sorted(e["id"] for e in op.edits)
     assert {e["target"] for e in updated.edits if e["ids"] == ["b"]} == {"Paris"}
+
+
+def test_the_evaluation_counts_either_slot_of_an_edit_as_its_own(chat_built):
+    _model, _tok, edits, op, _seen, _out = chat_built
+    editor = AloeEditor(op)
+    n = len(edits)
+    assert [editor.edit_slots(e, i) for i, e in enumerate(edits)] == [(i, n + i) for i in range(n)]

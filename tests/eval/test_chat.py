@@ -160,7 +160,7 @@ def test_changed_locality_gates_locate_the_gate_that_changed_an_answer():
     edited = [[43], [43, 41], answer[:2] + [43]]
     owners = [0, 1, 0]
     got = changed_locality_gates(model, tok, AloeEditor(op, check_fingerprint=False), prompts, unedited, edited,
-                                 owners, batch_size=2)
+                                 [(s,) for s in owners], batch_size=2)
     handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
     want = {"changed": 3, "open": 0, "small": 0, "closed": 0, "own_slot": 0, "other_slot": 0,
             "in_prompt": 0, "in_answer": 0}
