@@ -29,14 +29,19 @@ def is_chat_entry(entry: Mapping[str, Any]) -> bool:
     return entry.get("form") == CHAT_FORM
 
 
+def chat_id(edit_id: Any) -> str:
+    """The id of the chat slot of the edit ``edit_id``."""
+    return f"{edit_id}{CHAT_ID_SUFFIX}"
+
+
 def entry_id(ids: Sequence[str], entry: Mapping[str, Any]) -> str:
     """The ``"id"`` of a slot holding the edits ``ids``, of the form ``entry`` has."""
-    return f"{ids[0]}{CHAT_ID_SUFFIX}" if is_chat_entry(entry) else str(ids[0])
+    return chat_id(ids[0]) if is_chat_entry(entry) else str(ids[0])
 
 
 def chat_entries(entries: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The metadata of the chat slots of request slots described by ``entries``, in their order."""
-    return [{**e, "id": f"{e['id']}{CHAT_ID_SUFFIX}", "form": CHAT_FORM} for e in entries]
+    return [{**e, "id": chat_id(e["id"]), "form": CHAT_FORM} for e in entries]
 
 
 def chat_slot_owner(owner: torch.Tensor, is_chat: torch.Tensor, n: int) -> torch.Tensor:

@@ -229,7 +229,7 @@ class _Build:
                                                          self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
         soft = seqs.seq_soft[roll["anchor_seq"]]
         if cfg.chat_slots:  # slot n + i takes the chat forms of slot i, from slot i's initial address
-            roll = {**roll, "anchor_owner": chat_slot_owner(roll["anchor_owner"], seqs.seq_chat[roll["anchor_seq"]], self.n)}
+            roll = {**roll, "anchor_owner": self.sequence_slots(seqs)[roll["anchor_seq"]]}
             V0 = torch.cat([V0, V0])
         negatives = negative_set(roll, self.base.state.anchors if self.base else None, self.n if cfg.chat_slots else 0)
         same_prompt = same_prompt_matrix(self.slots * (2 if cfg.chat_slots else 1))
@@ -308,22 +308,26 @@ class _Build:
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V, anchors, owner, neg, same, soft = self.on_device(V, roll, negatives, same_prompt, soft)
         cal = addr.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft,
-                             open_at_of(self.entries(V.shape[0]), self.cfg))
+                             open_at_of(self.entries(), self.cfg))
         info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum())}
         return {"tau": cal.thresholds.cpu(), "alpha": cal.temperatures.cpu(),
                 "separable": cal.separable.to(torch.uint8).cpu(), "worst_positive": cal.worst_positive.cpu(),
                 "worst_negative": cal.worst_negative.cpu()}, info
 
-    def entries(self, m: int) -> list[dict[str, Any]]:
-        """The operator's metadata of ``m`` slots: one per request slot, then (with chat slots, m = 2n)
-        one per chat slot."""
+    def entries(self) -> list[dict[str, Any]]:
+        """The operator's metadata: one entry per request slot, then with chat slots one per chat slot."""
         edits = [{"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject}
                  for s in self.slots]
-        return edits + chat_entries(edits) if m > self.n else edits
+        return edits + chat_entries(edits) if self.cfg.chat_slots else edits
+
+    def sequence_slots(self, seqs: TokenSequences) -> torch.Tensor:
+        """The slot of every anchor sequence: its edit's request slot, and with chat slots a chat form's
+        chat slot n + i."""
+        return chat_slot_owner(seqs.seq_owner, seqs.seq_chat, self.n) if self.cfg.chat_slots else seqs.seq_owner
 
     def operator(self, V: torch.Tensor, cal: dict[str, torch.Tensor], writes: torch.Tensor) -> AloeOperator:
         return AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"], writes=writes,
-                            eps=DEFAULT_EPS, gate_eps=DEFAULT_GATE_EPS, edits=self.entries(V.shape[0]), layer=self.layer,
+                            eps=DEFAULT_EPS, gate_eps=DEFAULT_GATE_EPS, edits=self.entries(), layer=self.layer,
                             module_path=self.site.path, base_model=model_name(self.model),
                             weight_fingerprint=self.fingerprint)
 
@@ -335,10 +339,7 @@ class _Build:
         # not trained on: the request's write carries to them.
         train_seqs = list(range(n)) + seqs.trained + _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"],
                                                                        seqs.seq_owner, seqs.seq_soft)
-        train_owner = seqs.seq_owner[train_seqs]
-        if gated.n > n:  # chat slots: the chat forms train their own slot's write
-            train_owner = chat_slot_owner(train_owner, seqs.seq_chat[train_seqs], n)
-        train_owner = train_owner.tolist()
+        train_owner = self.sequence_slots(seqs)[train_seqs].tolist()  # chat forms train their chat slot's write
         all_prompts = seqs.prompts + seqs.extra_prompts
         target_lens = [min(len(seqs.target(j)), cfg.max_target_tokens) for j in train_seqs]
         tseqs = [all_prompts[j] + seqs.target(j)[: cfg.max_target_tokens] for j in train_seqs]
@@ -353,7 +354,7 @@ class _Build:
         # what each slot's write target is fitted on: its request (row i), and with target_chat_forms its chat
         # forms; a chat slot's, on its chat forms
         rows_of = [[i] for i in range(n)] + [[] for _ in range(gated.n - n)]
-        if cfg.target_chat_forms or gated.n > n:
+        if cfg.target_chat_forms or cfg.chat_slots:
             chat = set(seqs.trained)
             for k, (j, owner) in enumerate(zip(train_seqs, train_owner)):
                 if j in chat:

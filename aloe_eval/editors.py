@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aloe_build.chat_slots import CHAT_ID_SUFFIX, is_chat_entry
+from aloe_build.chat_slots import is_chat_entry
 from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
 
 
@@ -89,9 +89,8 @@ class AloeEditor(Editor):
             for rid in [e.get("id"), *(e.get("ids") or [])]:
                 if rid is not None:
                     self._by_id.setdefault(str(rid), i)
-        # a chat slot's "ids" are its edit's, so the request slot (listed first) is what they name
-        self._chat_of = {self._by_id[request_id]: i for i, e in enumerate(op.edits) if is_chat_entry(e)
-                         and (request_id := str(e["id"]).removesuffix(CHAT_ID_SUFFIX)) in self._by_id}
+        # a chat slot's "ids" are its edit's, and they name the request slot, listed first
+        self._chat_of = {self._by_id[str(e["ids"][0])]: i for i, e in enumerate(op.edits) if is_chat_entry(e)}
         self._by_text: dict[tuple[str, str], int] = {}
         for i, e in enumerate(op.edits):
             key = (str(e.get("request") or "").strip(), str(e.get("target") or "").strip())
