@@ -66,6 +66,10 @@ class BuildConfig:
     # the encoder fits its training items far better than new ones (locality AUC 0.990 against
     # 0.956), and dropout narrows that gap (docs/results.md, "The encoder overfits its training items")
     encoder_dropout: float = _at(1, 0.0)
+    # encoders trained from different seeds whose addresses are averaged (still one address per edit,
+    # so serving is unchanged): each member's errors are partly its own (docs/results.md, "Several
+    # encoders, one address")
+    encoder_members: int = _at(1, 1)
     encoder_cache: str | None = _at(1, None)  # directory of cached encoders; None = $ALOE_CACHE/encoders
 
     # (3) rollouts: anchors from the request and its target; negatives from other text
@@ -256,6 +260,8 @@ class BuildConfig:
                 raise ValueError(f"BuildConfig: {name}: {err}") from None
         if not 0.0 <= self.encoder_dropout < 1.0:
             raise ValueError(f"BuildConfig: encoder_dropout must be in [0, 1), got {self.encoder_dropout}")
+        if self.encoder_members < 1:
+            raise ValueError(f"BuildConfig: encoder_members must be at least 1, got {self.encoder_members}")
         if self.chat_slots and not self.positives_chat:
             raise ValueError("BuildConfig: chat_slots needs positives_chat (the chat forms are its anchors)")
         if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):

@@ -15,7 +15,9 @@ Training uses relation-balanced minibatches of construction items and
   batch against one learned threshold.
 With ``encoder_dropout``, each step sees its batch's states with that share of
 their coordinates zeroed and renormalized (a regularizer: the maps fit their
-training items much better than new ones without it).
+training items much better than new ones without it). With ``encoder_members``,
+several encoders are trained from different seeds and an edit's address is the
+mean of theirs.
 Encoders are cached per (model weight, layer, corpus, settings).
 """
 
@@ -40,22 +42,34 @@ from .states import last_token_states
 
 @dataclass
 class AddressEncoder:
-    """Q, K (p x d) and log c."""
+    """Q, K (p x d) and log c of each member: (E, p, d), (E, p, d), (E,). With several members
+    (``encoder_members``) an address is the mean of the members' addresses."""
 
     Q: torch.Tensor
     K: torch.Tensor
     log_c: torch.Tensor
 
+    def __post_init__(self) -> None:
+        if self.Q.dim() == 2:  # one member given as (p, d), as saved before members existed
+            self.Q, self.K, self.log_c = self.Q[None], self.K[None], self.log_c.reshape(1)
+
+    @property
+    def members(self) -> int:
+        return self.Q.shape[0]
+
     @property
     def c(self) -> float:
-        return float(self.log_c.exp())
+        """The members' mean scale."""
+        return float(self.log_c.exp().mean())
 
     def keys(self, h: torch.Tensor) -> torch.Tensor:
-        return F.normalize(h @ self.K.T, dim=-1)
+        """Each member's normalized keys of states (n, d): (E, n, p)."""
+        return F.normalize(torch.einsum("epd,nd->enp", self.K, h), dim=-1)
 
     def addresses(self, h_requests: torch.Tensor) -> torch.Tensor:
-        """v_i = c Q^T norm(K h(t_i)) for normalized request states (n, d) -> (n, d)."""
-        return self.log_c.exp() * (self.keys(h_requests) @ self.Q)
+        """v_i = mean over members of c Q^T norm(K h(t_i)), for normalized request states (n, d) -> (n, d)."""
+        weights = self.log_c.exp() / self.members
+        return torch.einsum("e,enp,epd->nd", weights, self.keys(h_requests), self.Q)
 
     def scores(self, h_queries: torch.Tensor, h_requests: torch.Tensor) -> torch.Tensor:
         return h_queries @ self.addresses(h_requests).T
@@ -65,7 +79,7 @@ class AddressEncoder:
         even while another build is writing the same cache entry."""
         path.mkdir(parents=True, exist_ok=True)
         write_atomically(path / "encoder.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
-        save_tensors_atomically({"Q": self.Q.contiguous(), "K": self.K.contiguous(), "log_c": self.log_c.reshape(1)},
+        save_tensors_atomically({"Q": self.Q.contiguous(), "K": self.K.contiguous(), "log_c": self.log_c.contiguous()},
                                 path / "encoder.safetensors")
 
     @classmethod
@@ -73,7 +87,7 @@ class AddressEncoder:
         from safetensors.torch import load_file
 
         t = load_file(str(path / "encoder.safetensors"))
-        return cls(t["Q"], t["K"], t["log_c"].reshape(())), json.loads((path / "encoder.json").read_text())
+        return cls(t["Q"], t["K"], t["log_c"]), json.loads((path / "encoder.json").read_text())
 
 
 @dataclass
@@ -160,8 +174,20 @@ def dropped_batch(cs: CorpusStates, b: torch.Tensor, rate: float, gen: torch.Gen
     return CorpusStates(*(drop(getattr(cs, f.name)[b]) for f in dataclasses.fields(cs)))
 
 
+MEMBER_SEED_STRIDE = 7919  # member j of an ensemble trains with seed + j * stride (member 0 with the seed itself)
+
+
 def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: BuildConfig) -> AddressEncoder:
-    """Fit Q, K, c on the items ``idx``."""
+    """Fit Q, K, c on the items ``idx``: ``cfg.encoder_members`` members, each from its own seed."""
+    members = [_train_member(cs, groups, idx, dataclasses.replace(cfg, seed=cfg.seed + j * MEMBER_SEED_STRIDE),
+                             f"stage 1: address encoder {j + 1}/{cfg.encoder_members}" if cfg.encoder_members > 1
+                             else "stage 1: address encoder")
+               for j in range(cfg.encoder_members)]
+    return AddressEncoder(*(torch.cat([getattr(m, f) for m in members]) for f in ("Q", "K", "log_c")))
+
+
+def _train_member(cs: CorpusStates, groups: list[str], idx: list[int], cfg: BuildConfig, desc: str) -> AddressEncoder:
+    """One member, seeded by ``cfg.seed``."""
     gen = torch.Generator().manual_seed(cfg.seed)
     d = cs.request.shape[1]
     p = cfg.encoder_dim
@@ -173,7 +199,7 @@ def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: Buil
     rng = random.Random(cfg.seed)
     sub_groups = [groups[i] for i in idx]
     batches = _balanced_batches(sub_groups, cfg.encoder_batch, rng)
-    bar = tqdm(range(cfg.encoder_steps), desc="stage 1: address encoder", leave=False)
+    bar = tqdm(range(cfg.encoder_steps), desc=desc, leave=False)
     for _ in bar:
         b = torch.tensor([idx[j] for j in next(batches)])
         states, rows = (dropped_batch(cs, b, cfg.encoder_dropout, gen), torch.arange(len(b))) if cfg.encoder_dropout \
