@@ -6,18 +6,10 @@ import math
 
 import pytest
 import torch
+from build_helpers import random_corpus_states, unit
 
 from aloe_build.config import BuildConfig
 from aloe_build.encoder import CorpusStates, batch_loss, dropped_batch, train_encoder
-
-
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True)
-
-
-def _random_states(g: torch.Generator, N: int, S: int, d: int, dtype=torch.float32) -> CorpusStates:
-    """Unit random states of N items with S same-subject prompts each."""
-    return CorpusStates(*(_unit(torch.randn(*shape, generator=g, dtype=dtype)) for shape in ((N, d), (N, d), (N, d), (N, S, d))))
 
 
 def _log_softmax_at(logits: list[float], i: int) -> float:
@@ -31,7 +23,7 @@ def _reference(cs: CorpusStates, b: list[int], Q, K, c: float, threshold: float,
     S = cs.same_subject.shape[1]
 
     def key(h):
-        return _unit(K @ h)
+        return unit(K @ h)
 
     def score(query_state, key_vec):
         return c * float((Q @ query_state) @ key_vec)
@@ -76,7 +68,7 @@ def _reference(cs: CorpusStates, b: list[int], Q, K, c: float, threshold: float,
 def test_batch_loss_matches_the_term_by_term_reference(batch_negatives, threshold_weight):
     g = torch.Generator().manual_seed(11)
     N, S, d, p = 9, 3, 13, 5
-    cs = _random_states(g, N, S, d, torch.float64)
+    cs = random_corpus_states(g, N, S, d, torch.float64)
     Q = torch.randn(p, d, generator=g, dtype=torch.float64)
     K = torch.randn(p, d, generator=g, dtype=torch.float64)
     log_c, threshold = torch.tensor(0.8, dtype=torch.float64), torch.tensor(0.3, dtype=torch.float64)
@@ -90,7 +82,7 @@ def test_batch_loss_matches_the_term_by_term_reference(batch_negatives, threshol
 def test_dropped_batch_zeroes_about_its_rate_and_renormalizes_the_batch_items_only():
     g = torch.Generator().manual_seed(3)
     N, S, d = 7, 2, 400
-    cs = _random_states(g, N, S, d)
+    cs = random_corpus_states(g, N, S, d)
     b = torch.tensor([1, 4, 6])
     out = dropped_batch(cs, b, 0.3, torch.Generator().manual_seed(5))
     for name, x in (("request", out.request), ("paraphrase", out.paraphrase), ("locality", out.locality),
@@ -114,7 +106,7 @@ def test_encoder_dropout_outside_zero_to_one_is_refused(rate):
 def test_encoder_dropout_zero_trains_as_before_and_nonzero_differs():
     g = torch.Generator().manual_seed(2)
     N, S, d = 24, 2, 16
-    cs = _random_states(g, N, S, d)
+    cs = random_corpus_states(g, N, S, d)
     groups = [f"r{i % 3}" for i in range(N)]
     base = dict(encoder_dim=4, encoder_steps=5, encoder_batch=8)
     a = train_encoder(cs, groups, list(range(N)), BuildConfig(**base))

@@ -6,19 +6,15 @@ import dataclasses
 
 import pytest
 import torch
+from build_helpers import random_corpus_states, unit
 from safetensors.torch import save_file
 
 from aloe_build.config import BuildConfig
 from aloe_build.encoder import MEMBER_SEED_STRIDE, AddressEncoder, CorpusStates, train_encoder
 
 
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True)
-
-
 def _states(seed: int, N: int = 21, S: int = 2, d: int = 13) -> CorpusStates:
-    g = torch.Generator().manual_seed(seed)
-    return CorpusStates(*(_unit(torch.randn(*shape, generator=g)) for shape in ((N, d), (N, d), (N, d), (N, S, d))))
+    return random_corpus_states(torch.Generator().manual_seed(seed), N, S, d)
 
 
 def _address_by_hand(Q: torch.Tensor, K: torch.Tensor, log_c: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -85,6 +81,6 @@ def test_save_and_load_keep_every_member_and_read_a_single_encoder_file(tmp_path
               str(tmp_path / "one" / "encoder.safetensors"))
     (tmp_path / "one" / "encoder.json").write_text("{}")
     one, _ = AddressEncoder.load(tmp_path / "one")
-    h = _unit(torch.randn(4, 10, generator=g))
+    h = unit(torch.randn(4, 10, generator=g))
     torch.testing.assert_close(one.addresses(h).double(), _address_by_hand(Q[:1], K[:1], log_c[:1], h),
                                rtol=1e-5, atol=1e-6)
