@@ -19,7 +19,10 @@ The metrics score development items with a threshold transferred from the calibr
   subject (its request and 15 other-relation prompts).
 
 The threshold is the one that maximizes recall minus the mean false-positive rate on the
-calibration part.
+calibration part. A second rule, reported beside it (``recall_at_budget``, ``negative_fpr_at_budget``),
+takes the lowest threshold whose mean false-positive rate on the calibration part is at most
+:data:`FPR_BUDGET`: the most recall a fixed false-positive budget allows, the rule under which a
+control that only ranks poorly cannot buy recall by opening on most negatives.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .states import last_token_states
 
 PROTOCOLS = ("subject", "relation")
 SAME_SUBJECT_KEYS = 15  # other-relation keys per development item: 16-way top-1 with its own
+FPR_BUDGET = 0.05  # mean calibration false-positive rate allowed by the second threshold rule
 
 
 @dataclass
@@ -150,28 +154,53 @@ def _rates(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     return (len(s) - torch.searchsorted(s, thresholds, right=True)).double() / len(s)
 
 
+def _candidate_rates(pos: torch.Tensor, negatives: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Every score as a candidate threshold, with the recall and the mean false-positive rate at each."""
+    cand = torch.cat([pos, *negatives.values()]).double().unique()
+    fpr = torch.stack([_rates(n, cand) for n in negatives.values()]).mean(0)
+    return cand, _rates(pos, cand), fpr
+
+
 def transferred_threshold(pos: torch.Tensor, negatives: dict[str, torch.Tensor]) -> float:
     """The threshold (fire when score > it) maximizing recall minus the mean false-positive rate
     of the negative kinds, on calibration scores."""
-    cand = torch.cat([pos, *negatives.values()]).double().unique()
-    fpr = torch.stack([_rates(n, cand) for n in negatives.values()]).mean(0)
-    return float(cand[(_rates(pos, cand) - fpr).argmax()])
+    cand, recall, fpr = _candidate_rates(pos, negatives)
+    return float(cand[(recall - fpr).argmax()])
 
 
-def mechanism_metrics(dev: ScoredItems, threshold: float, same_subject_16: torch.Tensor | None) -> dict[str, float]:
+def budget_threshold(pos: torch.Tensor, negatives: dict[str, torch.Tensor], budget: float = FPR_BUDGET) -> float:
+    """The lowest threshold (fire when score > it) whose mean false-positive rate over the negative
+    kinds is at most ``budget``, on calibration scores (the highest score always qualifies)."""
+    cand, _, fpr = _candidate_rates(pos, negatives)
+    return float(cand[fpr <= budget].min())
+
+
+def _at_threshold(dev: ScoredItems, threshold: float) -> tuple[float, dict[str, float]]:
+    """Recall and each negative kind's false-positive rate at ``threshold``."""
+    thr = torch.tensor([threshold], dtype=torch.double)
+    return float(_rates(dev.positive, thr)), {k: float(_rates(n, thr)) for k, n in dev.negatives().items()}
+
+
+def mechanism_metrics(dev: ScoredItems, threshold: float, same_subject_16: torch.Tensor | None,
+                      threshold_at_budget: float | None = None) -> dict[str, float]:
     """The metrics on development scores; AUC and FPR average the three negative kinds (each also
     reported). ``same_subject_16``: (N, 16) scores of each paraphrase on its own key (column 0)
-    and 15 same-subject other-relation keys."""
+    and 15 same-subject other-relation keys. With ``threshold_at_budget``, recall and mean FPR at
+    that threshold too."""
     negatives = dev.negatives()
-    thr = torch.tensor([threshold], dtype=torch.double)
-    out: dict[str, float] = {"recall": float(_rates(dev.positive, thr))}
+    recall, fprs = _at_threshold(dev, threshold)
+    out: dict[str, float] = {"recall": recall}
     for kind, neg in negatives.items():
         out[f"auc_{kind}"] = auc(dev.positive, neg)
-        out[f"fpr_{kind}"] = float(_rates(neg, thr))
+        out[f"fpr_{kind}"] = fprs[kind]
     out["scope_auc"] = sum(out[f"auc_{k}"] for k in negatives) / len(negatives)
-    out["negative_fpr"] = sum(out[f"fpr_{k}"] for k in negatives) / len(negatives)
+    out["negative_fpr"] = sum(fprs.values()) / len(fprs)
     if same_subject_16 is not None:
         out["same_subject_top1"] = float((same_subject_16.argmax(1) == 0).double().mean())
+    if threshold_at_budget is not None:
+        recall_b, fprs_b = _at_threshold(dev, threshold_at_budget)
+        out.update(recall_at_budget=recall_b, negative_fpr_at_budget=sum(fprs_b.values()) / len(fprs_b),
+                   threshold_at_budget=threshold_at_budget)
     out.update(threshold=threshold, items=len(dev.positive))
     return out
 
@@ -195,11 +224,12 @@ def evaluate_addresses(addresses_of: Callable[[torch.Tensor], torch.Tensor], sta
 
     cal = scored(part.calibration)
     threshold = transferred_threshold(cal.positive, cal.negatives())
+    threshold_at_budget = budget_threshold(cal.positive, cal.negatives())
     s16 = None
     if dev_keys is not None:
         b = torch.tensor(part.dev)
         s16 = key_scores(addresses_of, states.paraphrase[b], torch.cat([states.request[b][:, None], dev_keys], 1))
-    return mechanism_metrics(scored(part.dev), threshold, s16)
+    return mechanism_metrics(scored(part.dev), threshold, s16, threshold_at_budget)
 
 
 def protocol_metrics(cs: CorpusStates, corpus: Corpus, part: Partition, dev_keys: torch.Tensor | None,
@@ -249,6 +279,6 @@ def build_encoder(model, tokenizer, corpus: Corpus, layer: int, cfg: BuildConfig
     return enc, metrics
 
 
-__all__ = ["PROTOCOLS", "Partition", "ScoredItems", "auc", "build_encoder", "dev_key_states", "evaluate_addresses",
-           "key_scores", "mechanism_metrics", "partition", "protocol_metrics", "same_subject_key_prompts",
-           "score_items", "transferred_threshold"]
+__all__ = ["FPR_BUDGET", "PROTOCOLS", "Partition", "ScoredItems", "auc", "budget_threshold", "build_encoder",
+           "dev_key_states", "evaluate_addresses", "key_scores", "mechanism_metrics", "partition", "protocol_metrics",
+           "same_subject_key_prompts", "score_items", "transferred_threshold"]

@@ -19,13 +19,14 @@ from aloe_build.config import BuildConfig
 from aloe_build.corpus import CORPUS_VERSION, Corpus
 from aloe_build.data import load_edits
 from aloe_build.encoder import CorpusStates, corpus_states
-from aloe_build.mechanism import PROTOCOLS, Partition, dev_key_states, partition, protocol_metrics
+from aloe_build.mechanism import FPR_BUDGET, PROTOCOLS, Partition, dev_key_states, partition, protocol_metrics
 from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 
 PAPER_DEV_ITEMS = 632  # the paper's development set size
 PAPER_SEEDS = (0, 42, 99)
-HEADLINE = ("scope_auc", "recall", "same_subject_top1", "negative_fpr")
+# the paper's four metrics, then recall and FPR under the fixed-budget threshold rule
+HEADLINE = ("scope_auc", "recall", "same_subject_top1", "negative_fpr", "recall_at_budget", "negative_fpr_at_budget")
 
 
 def _summary(runs: list[dict[str, float]]) -> dict[str, dict]:
@@ -115,7 +116,8 @@ def mechanism_study(model, tokenizer, corpus_path: str | Path, layer: int, cfg: 
 
 def mechanism_markdown(study: dict) -> str:
     """A table per protocol: mean ± std over seeds, learned vs raw control."""
-    lines = []
+    lines = [f"`recall` and `negative_fpr` at the threshold maximizing calibration recall minus FPR; the `_at_budget` "
+             f"pair at the lowest threshold with calibration FPR ≤ {FPR_BUDGET}.", ""]
     for protocol in PROTOCOLS:
         if protocol not in study:
             continue

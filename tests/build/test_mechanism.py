@@ -14,6 +14,7 @@ from aloe_build.encoder import CorpusStates, train_encoder
 from aloe_build.mechanism import (
     SAME_SUBJECT_KEYS,
     auc,
+    budget_threshold,
     evaluate_addresses,
     mechanism_metrics,
     partition,
@@ -64,6 +65,32 @@ def test_transferred_threshold_maximizes_recall_minus_mean_fpr():
     candidates = torch.cat([pos, *negs.values()]).tolist()
     best = max(objective(t) for t in candidates)
     assert objective(transferred_threshold(pos, negs)) == pytest.approx(best, abs=1e-12)
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.05, 0.3])
+def test_budget_threshold_is_the_lowest_score_within_the_fpr_budget(budget):
+    g = torch.Generator().manual_seed(4)
+    pos = torch.randn(29, generator=g) + 1.0
+    negs = {"a": torch.randn(11, generator=g), "b": torch.randn(37, generator=g) + 0.3}
+
+    def mean_fpr(t: float) -> float:
+        return sum(sum(float(x) > t for x in n) / len(n) for n in negs.values()) / len(negs)
+
+    candidates = torch.cat([pos, *negs.values()]).double().tolist()
+    expected = min(t for t in candidates if mean_fpr(t) <= budget)
+    t = budget_threshold(pos, negs, budget)
+    assert t == expected and mean_fpr(t) <= budget
+
+
+def test_budget_metrics_count_at_their_own_threshold():
+    s = score_items(torch.eye(3), torch.tensor([[2.0, 0, 0], [0, 0.5, 0], [0, 0, 3.0]]),
+                    torch.tensor([[0.2, 0, 0], [0, 0.8, 0], [0, 0, 0.1]]), torch.zeros(3, 1, 3))
+    m = mechanism_metrics(s, 1.0, None, threshold_at_budget=0.15)
+    # at 0.15: paraphrases 2.0, 0.5, 3.0 all fire; locality 0.2 and 0.8 of 0.2, 0.8, 0.1 fire,
+    # same-subject (0) and other items' scores (all 0) do not
+    assert m["recall_at_budget"] == pytest.approx(1.0)
+    assert m["negative_fpr_at_budget"] == pytest.approx((2 / 3) / 3)
+    assert m["recall"] == pytest.approx(2 / 3) and m["negative_fpr"] == 0.0 and m["threshold_at_budget"] == 0.15
 
 
 def test_score_items_matches_loops():
