@@ -85,6 +85,10 @@ class BuildConfig:
     # and to every request; their states are negatives too (a request's own continuation excepted),
     # so that slots stay shut on the tokens a model writes
     negative_continuation_tokens: int = _at(3, 16)
+    # rewordings of the first this many corpus requests (their paraphrase prompts, "X is incredible
+    # at"), except those about an edited subject, in the shared pool with their continuations, so that
+    # a slot stays shut on other subjects' facts asked in words its negatives did not hold (0: none)
+    negatives_paraphrases: int = _at(3, 0)
     # generic questions about corpus subjects (questions.QUESTION_FRAMES; every other one a lower-case
     # query without its question mark) in the shared pool with their continuations, so that a slot
     # stays shut on the question marks of unrelated questions and the answers that follow (0: none)

@@ -14,6 +14,7 @@ negatives are also asked through the chat template.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +205,13 @@ def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
     return list(dict.fromkeys(texts))
 
 
+def shared_paraphrase_texts(corpus: Corpus, cfg: BuildConfig, edited_subjects: frozenset[str]) -> list[str]:
+    """Other wordings of the first ``negatives_paraphrases`` corpus requests ("X is incredible at"),
+    except those about an edited subject (a rewording of an edit's own fact is not its negative)."""
+    return list(dict.fromkeys(it.paraphrase for it in corpus.items[: cfg.negatives_paraphrases]
+                              if it.subject not in edited_subjects))
+
+
 def shared_question_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
     """The generic questions of the shared pool, about corpus subjects (see :mod:`.questions`)."""
     return generic_questions(corpus.subjects, cfg.negatives_questions)
@@ -227,12 +235,14 @@ def _cached_states(file: Path, compute) -> torch.Tensor:
     return states
 
 
-def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
-    """States at every position of corpus prompts (requests, locality inputs, same-subject prompts)
-    and generic questions, and of their greedy continuations: negatives for every edit. They depend
-    only on the model, layer and corpus items, so they are cached (see pipeline.negatives_cache_dir)
-    and shared by every build. With chat positives, the chat-form pool (:func:`shared_chat_negatives`)
-    is added."""
+def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig,
+                     edited_subjects: frozenset[str] = frozenset()) -> torch.Tensor:
+    """States at every position of corpus prompts (requests, locality inputs, same-subject prompts,
+    with ``negatives_paraphrases`` their rewordings) and generic questions, and of their greedy
+    continuations: negatives for every edit. They depend only on the model, layer and corpus items
+    (the rewordings also on which subjects are edited), so they are cached (see
+    pipeline.negatives_cache_dir) and shared by every build. With chat positives, the chat-form pool
+    (:func:`shared_chat_negatives`) is added."""
     def continued_states(texts: list[str], desc: str) -> torch.Tensor:
         prompts = [encode_prompt(tokenizer, t) for t in texts]
         return continued(model, tokenizer, prompts, cfg.negative_continuation_tokens, layer, cfg.batch_size,
@@ -242,6 +252,12 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
     pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{tokens}.safetensors",
                           lambda: continued_states(shared_negative_texts(corpus, cfg),
                                                    "stage 3: shared negatives and their continuations"))
+    if cfg.negatives_paraphrases > 0:
+        texts = shared_paraphrase_texts(corpus, cfg, edited_subjects)
+        digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
+        reworded = _cached_states(path / f"negatives-paraphrases-{digest}-c{tokens}.safetensors",
+                                  lambda: continued_states(texts, "stage 3: corpus rewordings and their continuations"))
+        pool = torch.cat([pool, reworded])
     if cfg.negatives_questions > 0:
         name = f"negatives-questions-{cfg.negatives_questions}-c{tokens}-v{QUESTIONS_VERSION}.safetensors"
         pool = torch.cat([pool, _cached_states(path / name, lambda: continued_states(
@@ -424,7 +440,7 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
                           [[len(p) - 1] for p in seqs.extra_prompts[r:]], "stage 3: prefixed anchor states")
     anchors = StateBatch(torch.cat([along.states, last.states]),
                          torch.cat([along.offsets, along.offsets[-1] + last.offsets[1:]]))
-    pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg)
+    pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg, frozenset(s.subject for s in slots))
     pool = pool[not_anchors(pool, anchors.states)]
     # what the unedited model writes after each request, and answers to its chat forms: negatives
     # of every other slot

@@ -771,6 +771,34 @@ def test_generic_questions_and_their_continuations_are_shared_negatives(tmp_path
     assert pools[3].shape[0] == pools[0].shape[0] + added
 
 
+def test_corpus_rewordings_are_shared_negatives_except_the_edited_subjects(tmp_path):
+    """With ``negatives_paraphrases``, the pool holds every position of the first corpus records'
+    rephrases and of the unedited model's continuations of them, except the rephrases about a
+    subject the stream edits (edit "b" is about France), and nothing else more than without them."""
+    from safetensors.torch import load_file
+
+    from aloe_build.states import collect_states
+    from aloe_build.tokens import encode_prompt
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    pools = {}
+    for n in (0, 8):  # the corpus's first 8 records: Paris and France under the four templates
+        out = tmp_path / f"p{n}"
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, negatives_paraphrases=n, negatives_questions=0,
+                                                    negative_continuation_tokens=3), out_dir=out, log=None)
+        pools[n] = load_file(str(out / "checkpoints" / "3_rollouts.safetensors"))["pool"]
+    added = 0
+    for t in _TEMPLATES:
+        full = _greedy_continued(model, encode_prompt(tok, "the " + t.replace("{}", "Paris")), 3)
+        want = collect_states(model, tok, [full], 1, [range(len(full))]).states
+        assert _rows_contain(pools[8], want) and not _rows_contain(pools[0], want)
+        added += len(full)
+        france = encode_prompt(tok, "the " + t.replace("{}", "France"))
+        assert not _rows_contain(pools[8], collect_states(model, tok, [france], 1, [[len(france) - 1]]).states)
+    assert pools[8].shape[0] == pools[0].shape[0] + added
+
+
 def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
     """With ``negatives_chat_questions``: every position of each generic question asked through the
     chat template (after its header) and of the unedited model's answer is in the chat-form pool;
