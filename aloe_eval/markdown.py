@@ -72,8 +72,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += ["", f"## Mechanism diagnostics (open = gate >= {diag[0][1]['open_threshold']})", "",
                   "| Editor | request gate (mean / median) | request open | dominates | rephrase gate (mean) | "
                   "rephrase open | locality max gate (mean) | locality open | efficacy misses: address / write | "
-                  "generalization misses: address / write |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "generalization misses: address / write | generalization hits with own gate shut |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, d in diag:
             rg, pg, lg = d["request_matched_gate"] or {}, d["rephrase_matched_gate"] or {}, d["locality_max_gate"] or {}
             fe, fg = d["failures"]["efficacy"], d["failures"]["generalization"]
@@ -81,7 +81,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"| {name} | {_f(rg.get('mean'))} / {_f(rg.get('median'))} | {_f(d['request_gate_open'])} | "
                 f"{_f(d['matched_slot_dominates'])} | {_f(pg.get('mean'))} | {_f(d['rephrase_gate_open'])} | "
                 f"{_f(lg.get('mean'))} | {_f(d['locality_gate_open'])} | {fe['address']} / {fe['write']} of "
-                f"{fe['misses']} | {fg['address']} / {fg['write']} of {fg['misses']} |")
+                f"{fe['misses']} | {fg['address']} / {fg['write']} of {fg['misses']} | "
+                f"{d.get('hits_own_gate_shut', {}).get('generalization', '–')} |")
     lines += ["", "## Definitions", ""]
     lines += [f"- `{k}`: {v}" for k, v in report.get("definitions", METRIC_DEFINITIONS).items()]
     info_lines = []

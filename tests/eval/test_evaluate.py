@@ -128,12 +128,16 @@ def test_gate_diagnostics_and_failure_attribution(tiny):
     assert closed.summary["paper"]["locality"] == 1.0  # closed gates: bit-exact outputs
     f = d["failures"]["efficacy"]
     assert f["write"] == 0 and f["address"] == f["misses"] == sum(1 for r in closed.rows if r["efficacy"] < 1)
+    hits = {"efficacy": sum(r["efficacy"] >= 1 for r in closed.rows),
+            "generalization": sum(x["em"] >= 1 for r in closed.rows for x in r["rephrases"])}
+    assert d["hits_own_gate_shut"] == hits  # every hit of a closed operator is the model's own
 
     opened = evaluate(model, tok, reqs, gate_operator(model, tok, reqs, open_=True), progress=False)
     d = opened.summary["diagnostics"]
     assert d["request_gate_open"] == 1.0 and d["matched_slot_dominates"] == 1.0
     f = d["failures"]["efficacy"]
     assert f["address"] == 0 and f["write"] == f["misses"]
+    assert d["hits_own_gate_shut"] == {"efficacy": 0, "generalization": 0}
     for r in opened.rows:
         assert r["slot"] == int(r["id"][1:]) and r["request_gate"] > 0.5 and r["request_top_slot"] == r["slot"]
         assert r["request_failure"] in (None, "write")
