@@ -22,8 +22,8 @@ def test_smollm2_small_build_edits_take(tmp_path):
     model, tok = load_model("smollm2")
     edits = load_edits(DEMO_EDITS, limit=6)
     cfg = BuildConfig(encoder_records=300, encoder_steps=150, encoder_cache=str(tmp_path / "enc"),
-                      negative_pool_records=100, negatives_questions=100, refine_steps=300, finetune_steps=10,
-                      finetune_batch=6)
+                      negative_pool_records=100, negatives_paraphrases=100, negatives_questions=100, refine_steps=300,
+                      finetune_steps=10, finetune_batch=6)
     op = build_operator(model, tok, edits, cfg, out_dir=tmp_path / "run", log=None)
     op.save(tmp_path / "run")
     controls = [e.locality[0].prompt for e in edits]
