@@ -88,7 +88,7 @@ class BuildConfig:
     # rewordings of the first this many corpus requests (their paraphrase prompts, "X is incredible
     # at"), except those about an edited subject, in the shared pool with their continuations, so that
     # a slot stays shut on other subjects' facts asked in words its negatives did not hold (0: none)
-    negatives_paraphrases: int = _at(3, 800)
+    negatives_paraphrases: int = _at(3, 0)
     # generic questions about corpus subjects (questions.QUESTION_FRAMES; every other one a lower-case
     # query without its question mark) in the shared pool with their continuations, so that a slot
     # stays shut on the question marks of unrelated questions and the answers that follow (0: none)
