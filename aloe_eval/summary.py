@@ -133,13 +133,11 @@ def summarize(rows: list[dict], *, slots: bool, open_threshold: float) -> dict[s
             out["misses"] = misses
             return out
 
-        def hits_shut(bucket: str) -> int:  # right answers although the edit's own gate stayed shut
-            seen = rows if bucket == "efficacy" else [x for r in rows for x in r["rephrases"]]
-            key, gate = ("efficacy", "request_gate") if bucket == "efficacy" else ("em", "gate")
-            return sum(1 for x in seen if x[key] >= 1 and (x.get(gate) or 0.0) < open_threshold)
-
         eff_miss = sum(1 for r in rows if r["efficacy"] < 1)
         gen_miss = sum(1 for r in rows for x in r["rephrases"] if x["em"] < 1)
+        # right answers although the edit's own gate stayed shut
+        eff_shut = sum(1 for r in rows if r["efficacy"] >= 1 and (r["request_gate"] or 0.0) < open_threshold)
+        gen_shut = sum(1 for r in rows for x in r["rephrases"] if x["em"] >= 1 and (x["gate"] or 0.0) < open_threshold)
         s["diagnostics"] = {
             "open_threshold": open_threshold,
             "request_matched_gate": dist(req_gates),
@@ -152,7 +150,7 @@ def summarize(rows: list[dict], *, slots: bool, open_threshold: float) -> dict[s
             "locality_gate_open": share([g >= open_threshold for g in loc_max]),
             "locality_gate_nonzero": share([g > 0 for g in loc_max]),
             "failures": {"efficacy": fails("efficacy", eff_miss), "generalization": fails("generalization", gen_miss)},
-            "hits_own_gate_shut": {"efficacy": hits_shut("efficacy"), "generalization": hits_shut("generalization")},
+            "hits_own_gate_shut": {"efficacy": eff_shut, "generalization": gen_shut},
             "unmapped_edits": sum(1 for r in rows if r["slot"] is None),
         }
     return s

@@ -38,9 +38,8 @@ def main(argv: list[str] | None = None) -> Path:
     prompts = [LocalityPrompt(p, r.ground_truth, KIND) for r in rest if r.subject not in subjects for p in r.rephrases]
     if not prompts:
         raise SystemExit(f"no rephrases of unedited subjects after record {args.limit} of {args.edits}")
-    per_edit = max(1, -(-len(prompts) // len(edits)))  # every prompt used, each edit given the same count or one less
-    rewritten = [dataclasses.replace(e, locality=tuple(prompts[j] for j in range(i, len(prompts), len(edits))[:per_edit]),
-                                     portability=())
+    # dealt out in turn: every prompt used, each edit given the same count or one less
+    rewritten = [dataclasses.replace(e, locality=tuple(prompts[i::len(edits)]), portability=())
                  for i, e in enumerate(edits)]
     path = save_edits_jsonl(rewritten, args.out)
     print(f"wrote {len(rewritten)} edits with {len(prompts)} rewordings of unedited subjects as locality prompts to {path}")
