@@ -1,19 +1,15 @@
-"""Stages 2-5: initialise, refine and calibrate the addresses.
+"""Stages 2 and 4: the addresses and their refinement.
 
 (2) v_i = c Q^T norm(K h(t_i)) from the request state.
 (4) Paper Eq. 5: a squared hinge pushes each address towards its worst
     anchor and away from its worst negative; address norms are preserved.
-(5) Calibration turns scores into gates: a separable slot opens at 0.9 on its
-    worst anchor and keeps its worst negative inside the dead zone; an
-    inseparable slot gets a finite-temperature midpoint fitted to a balanced
-    worst-case loss.
+Stage 5, which turns the refined scores into gates, is in :mod:`aloe_build.calibration`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,11 +63,11 @@ class NegativeSet:
             return best_s, self._states(best_i, V.device)
 
     def shared_candidates(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512,
-                          stream_rows: int | None = None) -> torch.Tensor:
-        """Indices (n, k) into ``shared`` of each slot's k highest-scoring shared states that are its
-        negatives (-1 where it has fewer)."""
+                          stream_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores and indices (n, k) into ``shared`` of each slot's k highest-scoring shared states
+        that are its negatives, best first (-inf and -1 where it has fewer)."""
         with torch.no_grad():
-            return self._shared_top(V, same_prompt, k, chunk, stream_rows)[1]
+            return self._shared_top(V, same_prompt, k, chunk, stream_rows)
 
     def _shared_top(self, V, same_prompt, k, chunk, stream_rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores and indices into ``shared`` of each slot's k best shared negatives (-inf and -1
@@ -214,19 +210,24 @@ def refine_addresses(
     cfg: BuildConfig,
     soft: torch.Tensor | None = None,
     parts: PartStore | None = None,
+    stats: dict | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Paper Eq. 5 with hard-negative re-mining; returns refined addresses and the loss curve.
+
+    The steps run until every slot clears its margin against its hardest negatives of the whole
+    set, ``refine_steps`` at most: the paper's "up to 3,000 steps". ``stats``, when given, receives
+    whether they did (``converged``) and how many slots were mined in full over the run
+    (``slots_mined_in_full``; see :class:`_Mining`).
 
     ``soft`` marks anchors that are wished for rather than required (paraphrases built from
     construction data): they do not enter the worst-anchor hinge; each adds its own squared hinge,
     weighted by ``refine_soft_weight`` and averaged, that turns the address towards it during the
     first two thirds of the steps; the last third restores the required anchors' margin.
 
-    With ``refine_candidates`` a full re-mining (first step, every ``refine_full_remine_every``
-    steps, the end of the soft phase) keeps each slot's best shared negatives, and the re-minings
-    between score only those and the slot's own negatives. With ``parts`` the state at each
-    re-mining is saved there, and an interrupted refinement resumes from the last one it reached
-    with the same result.
+    With ``refine_candidates`` the re-minings score each slot's best shared negatives from its
+    last full mining and its own negatives, and mine a slot in full again only where those may no
+    longer hold its hardest (:class:`_Mining`). With ``parts`` the state at each re-mining is saved
+    there, and an interrupted refinement resumes from the last one it reached with the same result.
 
     With ``refine_pull`` the steps run twice from ``V0``: once with every address pulled back
     towards ``V0`` each step, once without. A slot's loss is its own, so each slot takes its
@@ -235,7 +236,7 @@ def refine_addresses(
     ``parts`` the pulled run is kept once done, and each run resumes on its own."""
     soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
     if cfg.refine_pull <= 0:
-        return _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
+        return _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress", stats)
 
     def pulled_run() -> dict[str, torch.Tensor]:
         V, _ = _refine(V0, cfg.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts,
@@ -244,14 +245,15 @@ def refine_addresses(
 
     # the pulled run first, kept whole once done, so that an interruption of the free run loses neither
     V = (parts.cached("pulled", pulled_run)[0] if parts is not None else pulled_run())["V"].to(V0.device)
-    free, losses = _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress")
+    free, losses = _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress",
+                           stats)
     keep = min_anchor_scores(V, anchors[~soft], anchor_owner[~soft]) > negatives.worst(V, same_prompt)
     return torch.where(keep[:, None], V, free), losses
 
 
 def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: torch.Tensor,
             negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig, soft: torch.Tensor,
-            parts: PartStore | None, progress: str) -> tuple[torch.Tensor, list[float]]:
+            parts: PartStore | None, progress: str, stats: dict | None = None) -> tuple[torch.Tensor, list[float]]:
     """One run of :func:`refine_addresses`' steps from ``V0``, each step moving the addresses
     ``refine_lr * pull`` of the way back to it; its state saved as ``progress`` in ``parts``."""
     n = V0.shape[0]
@@ -268,6 +270,7 @@ def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: 
     losses: list[float] = []
     hard_h, terms = None, None
     first, at_remine = _resume(parts, progress, V, opt, mining, losses)
+    converged = False
     desc = "stage 4: address refinement" + (", pulled to stage 2" if pull else "")
     bar = tqdm(range(first, cfg.refine_steps), total=cfg.refine_steps, initial=first, desc=desc, leave=False)
     for step in bar:
@@ -279,7 +282,7 @@ def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: 
         if remine:
             if step > first and step % cfg.refine_remine_every == 0:
                 _save_progress(parts, progress, step, V, opt, mining, losses, at_remine)
-            hard_h = mining.hardest(V, full=boundary or step % cfg.refine_full_remine_every == 0)
+            hard_h = mining.hardest(V)
             terms = None
         if terms is None or boundary or (cfg.refine_active_every > 0 and step % cfg.refine_active_every == 0):
             terms = _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now, V, opt, cfg)
@@ -293,12 +296,15 @@ def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: 
             if at_remine is not None and (1 - cfg.refine_flat_stop) * at_remine <= losses[-1] <= at_remine:
                 break
             at_remine = losses[-1]
-        if losses[-1] == 0.0 and step % cfg.refine_remine_every != 0:
-            # every slot clears its margin against the mined negatives: confirm against all of them
-            hard_h = mining.hardest(V, full=True)
+        if losses[-1] == 0.0:
+            # every slot clears its margin against the negatives mined at the last re-mining: done
+            # once it does against its hardest ones now (the mining is exact), else go on from them
+            if not remine:
+                hard_h = mining.hardest(V)
             check = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, torch.ones(n, dtype=torch.bool,
                                 device=V.device), False)
             if float(check.loss(V.detach(), 0.0)) == 0.0:
+                converged = True
                 break
             terms = None
             continue
@@ -311,6 +317,8 @@ def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: 
             V.mul_(norms / V.norm(dim=1, keepdim=True).clamp_min(1e-12))
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
+    if stats is not None:
+        stats.update(converged=converged, slots_mined_in_full=mining.full_minings)
     return V.detach(), losses
 
 
@@ -319,9 +327,9 @@ def _check_settings(cfg: BuildConfig) -> None:
         raise ValueError(f"refine_flat_stop must be in [0, 1), got {cfg.refine_flat_stop}")
     if not 0.0 <= cfg.refine_lr * cfg.refine_pull < 1.0:
         raise ValueError(f"refine_lr * refine_pull must be in [0, 1), got {cfg.refine_lr * cfg.refine_pull}")
-    if cfg.refine_candidates < 0 or cfg.refine_full_remine_every < 1:
-        raise ValueError("refine_candidates must be >= 0 and refine_full_remine_every >= 1, got "
-                         f"{cfg.refine_candidates} and {cfg.refine_full_remine_every}")
+    if cfg.refine_candidates < 0 or cfg.refine_hard_negatives < 1:
+        raise ValueError("refine_candidates must be >= 0 and refine_hard_negatives >= 1, got "
+                         f"{cfg.refine_candidates} and {cfg.refine_hard_negatives}")
 
 
 def _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now: bool, V: torch.Tensor,
@@ -339,21 +347,72 @@ def _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now: bool, V: 
 
 
 class _Mining:
-    """The refinement's hard negatives: every shared state scored at a full mining, each slot's
-    ``refine_candidates`` best of them (its index) in between."""
+    """The refinement's hard negatives, exact at every re-mining, for far less than scoring every
+    shared state each time.
+
+    A full mining scores every shared state and keeps each slot's ``refine_candidates`` best (its
+    candidates), the address they were scored at and the lowest candidate score (its floor). A
+    re-mining scores only each slot's candidates and own negatives. Shared states have norm at
+    most ``radius`` (1: stage 3 stores unit rows), so a state outside a slot's candidates scores at
+    most ``floor + radius * |v - v_mined|``; while that bound stays at or below the slot's k-th
+    hardest negative among those scored, they are its k hardest of the whole set. A slot whose
+    address has moved further is mined in full again, alone. So the hinge always sees each slot's
+    true hardest negatives, however far an address travels between re-minings (a small stream's
+    addresses move far; a large stream's mostly stay near where they were mined)."""
 
     def __init__(self, negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig):
         self.negatives, self.same_prompt, self.cfg = negatives, same_prompt, cfg
-        self.candidates: torch.Tensor | None = None
+        self.k = cfg.refine_hard_negatives
+        self.width = max(cfg.refine_candidates, self.k)
+        self.candidates: torch.Tensor | None = None  # (n, width) indices into shared, -1 past the last
+        self.mined_at: torch.Tensor | None = None  # (n, d) each slot's address at its last full mining
+        self.floor: torch.Tensor | None = None  # (n,) its lowest candidate's score then (-inf: all are candidates)
+        self.full_minings = 0  # slots mined in full, counted over the run
+        shared = negatives.shared
+        self.radius = float(shared.float().norm(dim=1).max()) * (1 + 1e-5) if shared.shape[0] else 0.0
 
-    def hardest(self, V: torch.Tensor, full: bool) -> torch.Tensor:
+    def hardest(self, V: torch.Tensor) -> torch.Tensor:
         """States (n, refine_hard_negatives, d) of each slot's hardest negatives now."""
-        k, V = self.cfg.refine_hard_negatives, V.detach()
+        V = V.detach()
         if self.cfg.refine_candidates <= 0:
-            return self.negatives.top(V, self.same_prompt, k)[1]
-        if full or self.candidates is None:
-            self.candidates = self.negatives.shared_candidates(V, self.same_prompt, self.cfg.refine_candidates)
-        return self.negatives.top(V, self.same_prompt, k, candidates=self.candidates)[1]
+            self.full_minings += V.shape[0]
+            return self.negatives.top(V, self.same_prompt, self.k)[1]
+        if self.candidates is None:
+            n = V.shape[0]
+            self.candidates = torch.full((n, self.width), -1, dtype=torch.long, device=V.device)
+            self.mined_at, self.floor = torch.zeros_like(V), torch.full((n,), -math.inf, dtype=V.dtype,
+                                                                          device=V.device)
+            self._mine_in_full(V, torch.arange(n, device=V.device))
+        scores, states = self.negatives.top(V, self.same_prompt, self.k, candidates=self.candidates)
+        with torch.no_grad():
+            reach = self.floor + self.radius * (V - self.mined_at).norm(dim=1)
+            stale = (reach > scores[:, -1]).nonzero().squeeze(1)
+        if stale.numel():
+            self._mine_in_full(V, stale)
+            scores, states = self.negatives.top(V, self.same_prompt, self.k, candidates=self.candidates)
+        return states
+
+    def _mine_in_full(self, V: torch.Tensor, rows: torch.Tensor) -> None:
+        """Score every shared state for the slots ``rows`` and keep their candidates."""
+        s, idx = self.negatives.shared_candidates(V[rows], self.same_prompt[rows], self.width)
+        self.candidates[rows] = idx
+        self.mined_at[rows] = V[rows]
+        # a slot with fewer shared negatives than candidates has them all: nothing outside to bound
+        self.floor[rows] = torch.where(idx[:, -1] >= 0, s[:, -1], -math.inf)
+        self.full_minings += int(rows.numel())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What :meth:`restore` needs to go on exactly where this mining is."""
+        if self.candidates is None:
+            return {}
+        return {"candidates": self.candidates, "mined_at": self.mined_at, "floor": self.floor,
+                "full_minings": torch.tensor(self.full_minings)}
+
+    def restore(self, saved: dict[str, torch.Tensor], device: torch.device) -> None:
+        if "mined_at" in saved:  # saved by a run that kept the bound's state
+            self.candidates, self.mined_at, self.floor = (saved[k].to(device) for k in ("candidates", "mined_at",
+                                                                                      "floor"))
+            self.full_minings = int(saved["full_minings"])
 
 
 def _save_progress(parts: PartStore | None, name: str, step: int, V: torch.Tensor, opt: torch.optim.Optimizer,
@@ -365,8 +424,7 @@ def _save_progress(parts: PartStore | None, name: str, step: int, V: torch.Tenso
     tensors = {"step": torch.tensor(step), "V": V.detach(), "losses": torch.tensor(losses, dtype=torch.float64),
                "at_remine": torch.tensor(math.nan if at_remine is None else at_remine, dtype=torch.float64)}
     tensors.update({f"adam_{name}": torch.as_tensor(value) for name, value in state.items()})
-    if mining.candidates is not None:
-        tensors["candidates"] = mining.candidates
+    tensors.update(mining.state())
     parts.put(name, {key: t.cpu() for key, t in tensors.items()})
 
 
@@ -383,8 +441,7 @@ def _resume(parts: PartStore | None, name: str, V: torch.Tensor, opt: torch.opti
     state = {name[len("adam_"):]: t.to(V.device) for name, t in saved.items() if name.startswith("adam_")}
     if state:
         opt.state[V] = state
-    if "candidates" in saved:
-        mining.candidates = saved["candidates"].to(V.device)
+    mining.restore(saved, V.device)
     losses += saved["losses"].tolist()
     at_remine = float(saved["at_remine"])
     return int(saved["step"]), None if math.isnan(at_remine) else at_remine
@@ -441,143 +498,3 @@ def _stop_coasting(opt: torch.optim.Optimizer, V: torch.Tensor, active: torch.Te
     state = opt.state.get(V)
     if state and "exp_avg" in state:
         state["exp_avg"][~active] = 0
-
-
-@dataclass
-class Calibration:
-    thresholds: torch.Tensor
-    temperatures: torch.Tensor
-    separable: torch.Tensor  # bool per slot
-    worst_positive: torch.Tensor
-    worst_negative: torch.Tensor
-
-
-def _logit(p: float) -> float:
-    return math.log(p / (1 - p))
-
-
-def calibrate(
-    V: torch.Tensor,
-    anchors: torch.Tensor,
-    anchor_owner: torch.Tensor,
-    negatives: NegativeSet,
-    same_prompt: torch.Tensor,
-    gate_eps: float,
-    cfg: BuildConfig,
-    soft: torch.Tensor | None = None,
-    open_at: torch.Tensor | None = None,
-) -> Calibration:
-    """Stage 5: thresholds and temperatures from the worst anchor and the worst negative of each slot.
-
-    Anchors marked ``soft`` count only where they clear the slot's worst negative by at least
-    ``calibration_soft_floor`` of its required anchors' gap: a paraphrase that the address cannot
-    separate from a negative is left out rather than opening the gate on that negative. ``open_at``
-    gives each slot its own ``calibration_open_at`` (chat slots, :mod:`aloe_build.chat_slots`)."""
-    if not 0.0 < cfg.calibration_open_at <= 1.0:
-        raise ValueError(f"calibration_open_at must be in (0, 1], got {cfg.calibration_open_at}")
-    soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
-    anchors, anchor_owner, soft_a, soft_own = anchors[~soft], anchor_owner[~soft], anchors[soft], anchor_owner[soft]
-    s_pos = min_anchor_scores(V, anchors, anchor_owner)
-    hard_s, hard_h = negatives.top(V, same_prompt, cfg.refine_hard_negatives)
-    s_neg = hard_s[:, 0]
-    if soft_own.numel():
-        s_soft = (V[soft_own] * soft_a).sum(-1)
-        floor = s_neg + cfg.calibration_soft_floor * (s_pos - s_neg)
-        counted = (s_soft >= floor[soft_own]) & (s_pos > s_neg)[soft_own]
-        s_pos = torch.minimum(s_pos, min_anchor_scores(V, soft_a[counted], soft_own[counted]))
-    norms = V.norm(dim=1).clamp_min(1e-12)
-    tau, alpha, separable = _closed_form(s_pos, s_neg, norms, gate_eps, cfg, open_at)
-    bad = (~separable).nonzero().squeeze(1)
-    if bad.numel():
-        tau_b, alpha_b = _fit_inseparable(
-            V[bad], anchors, anchor_owner, bad, hard_h[bad], tau[bad], alpha[bad], cfg
-        )
-        # Locality first: whatever the fit, the dead zone must still cover every negative but
-        # the mined hardest ones, or a slot whose anchors sit among generic states would open
-        # on everything.
-        tau_b = torch.maximum(tau_b, hard_s[bad, -1] - _logit(gate_eps) / alpha_b)
-        tau[bad], alpha[bad] = tau_b, alpha_b
-    return Calibration(tau, alpha, separable, s_pos, s_neg)
-
-
-def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, gate_eps: float, cfg: BuildConfig,
-                 open_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thresholds, temperatures and separability from each slot's worst anchor and worst negative
-    scores; an inseparable slot gets the midpoint at ``inseparable_temperature``. ``open_at``: each
-    slot's ``calibration_open_at`` (default: the configured one for all)."""
-    p_open = gate_eps + cfg.open_gate * (1 - gate_eps)
-    z_pos = _logit(p_open)
-    # the worst negative lands this many logits below the dead-zone edge: its gate is exactly 0
-    z_neg = _logit(gate_eps) - cfg.calibration_negative_slack
-    gap = s_pos - s_neg
-    separable = gap > 1e-6 * norms
-    # the gate reaches open_gate this far from the worst negative towards the worst anchor
-    # (1 = at the worst anchor, the paper's calibration; less opens states between the two wider)
-    reach = (cfg.calibration_open_at if open_at is None else open_at.to(gap)) * gap
-    alpha = torch.where(separable, (z_pos - z_neg) / reach.clamp_min(1e-12), cfg.inseparable_temperature / norms)
-    tau = torch.where(separable, s_neg + reach - z_pos / alpha, (s_pos + s_neg) / 2)
-    return tau, alpha, separable
-
-
-def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: torch.Tensor, s_neg: torch.Tensor,
-                states: Sequence[torch.Tensor], gate_eps: float, cfg: BuildConfig, chunk: int = 8192,
-                open_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 5 again for the slots that would open on new negative ``states`` (an append's anchors
-    and negatives). Only the new states a slot can separate from its own anchors count, those
-    scoring below its worst positive: the highest of them becomes the slot's worst negative and the
-    closed form gives new thresholds and temperatures. A new state scoring at or above a slot's worst
-    positive (another subject's request in the same template, say, which a one-shot build would
-    separate by refining both addresses together) leaves the slot as it was: shutting it would shut
-    its own fact, and the new edit's write is fitted with the old edits in place, so it corrects for
-    the old write where the two gates overlap. A slot that was already inseparable keeps its
-    temperature and moves its threshold just far enough that the new state falls in the dead zone
-    (locality first, as stage 5 does for inseparable slots).
-
-    ``open_at``: each slot's ``calibration_open_at``, as for :func:`calibrate`. Returns ``(tau, alpha,
-    s_neg, changed)``: the updated (n,) tensors and the indices recalibrated."""
-    floor = tau + _logit(gate_eps) / alpha  # scores at or below this are in the dead zone
-    best = torch.full_like(s_neg, -math.inf)
-    with torch.no_grad():
-        for part in states:
-            for start in range(0, part.shape[0], chunk):
-                s = part[start: start + chunk].to(V) @ V.T
-                best = torch.maximum(best, s.masked_fill(s >= s_pos[None, :], -math.inf).amax(0))
-    changed = (best > floor).nonzero().squeeze(1)
-    tau, alpha, s_neg = tau.clone(), alpha.clone(), s_neg.clone()
-    if changed.numel():
-        s_neg[changed] = torch.maximum(s_neg[changed], best[changed])
-        norms = V[changed].norm(dim=1).clamp_min(1e-12)
-        t, a, sep = _closed_form(s_pos[changed], s_neg[changed], norms, gate_eps, cfg,
-                                 None if open_at is None else open_at[changed.cpu()])
-        a = torch.where(sep, a, alpha[changed])
-        # the margin of calibration_negative_slack logits below the dead-zone edge, as for any negative
-        t = torch.where(sep, t, best[changed] - (_logit(gate_eps) - cfg.calibration_negative_slack) / a)
-        tau[changed], alpha[changed] = t, a
-    return tau, alpha, s_neg, changed
-
-
-def _fit_inseparable(V, anchors, anchor_owner, rows, hard_h, tau0, alpha0, cfg: BuildConfig):
-    """Balanced worst-case loss of an inseparable slot over its anchors and hardest negatives:
-    the mean of a logistic loss on the worst half of each side, alpha kept >= its initial value."""
-    remap = torch.full((int(anchor_owner.max()) + 1,), -1, dtype=torch.long, device=anchor_owner.device)
-    remap[rows] = torch.arange(len(rows), device=rows.device)
-    keep = remap[anchor_owner] >= 0
-    a_h, a_own = anchors[keep], remap[anchor_owner[keep]]
-    s_pos = (V[a_own] * a_h).sum(-1)
-    s_neg = torch.einsum("nkd,nd->nk", hard_h, V)
-    tau = tau0.clone().requires_grad_(True)
-    log_extra = torch.zeros_like(alpha0, requires_grad=True)
-    opt = torch.optim.Adam([tau, log_extra], lr=0.05)
-    for _ in range(cfg.calibration_steps):
-        alpha = alpha0 * log_extra.exp()
-        lp = F.softplus(-alpha[a_own] * (s_pos - tau[a_own]))
-        worst_pos = torch.zeros_like(tau).scatter_reduce(0, a_own, lp, reduce="amax", include_self=False)
-        ln = F.softplus(alpha[:, None] * (s_neg - tau[:, None]))
-        worst_neg = ln.topk(max(1, ln.shape[1] // 2), dim=1).values.mean(1)
-        loss = (worst_pos + worst_neg).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            log_extra.clamp_(min=0.0)
-    return tau.detach(), (alpha0 * log_extra.exp()).detach()

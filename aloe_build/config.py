@@ -155,7 +155,8 @@ class BuildConfig:
     # question, where the corpus statements in chat form never reach
     negatives_chat_questions: int = _at(3, 400)
 
-    # (4) refinement (paper Eq. 5)
+    # (4) refinement (paper Eq. 5): steps until every slot clears its margin against its hardest
+    # negatives, this many at most
     refine_steps: int = _at(4, 3000)
     refine_lr: float = _at(4, 0.01)
     refine_margin: float = _at(4, 0.1)  # m_i as a fraction of |v_i|
@@ -164,11 +165,11 @@ class BuildConfig:
     # one rewording fewer on CounterFact 839 and on a zsRE slice; docs/results.md)
     refine_hard_negatives: int = _at(4, 8)
     refine_remine_every: int = _at(4, 250)
-    # Shared negatives kept per slot at a full re-mining (the first step, every
-    # refine_full_remine_every steps): the re-minings between score only these and the slot's own
-    # negatives, not the whole pool, which grows with the stream (0: every re-mining is full).
+    # Shared negatives kept per slot at its full mining: the re-minings after it score only these and
+    # the slot's own negatives, not the whole pool, which grows with the stream. A slot is mined in full
+    # again once its address has moved far enough that a state outside them could be among its hardest,
+    # so every re-mining is exact (0: every re-mining scores the whole pool).
     refine_candidates: int = _at(4, 512)
-    refine_full_remine_every: int = _at(4, 1000)
     # Steps run on the slots whose hinge is not yet met, re-selected this often (and at every
     # re-mining); a slot that meets its margin stays where it is until then (0: every slot, every
     # step). The cost of a step then follows the slots still violating, not the stream's size.

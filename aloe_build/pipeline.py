@@ -26,6 +26,7 @@ from aloe_kernels.operator import DEFAULT_EPS, DEFAULT_GATE_EPS
 from aloe_kernels.reference import gates_from_scores
 
 from . import addresses as addr
+from . import calibration
 from .build_state import BuildState
 from .chat_slots import chat_entries, chat_slot_owner, open_at_of
 from .checkpoints import StageCheckpoints, run_key
@@ -254,13 +255,28 @@ class _Build:
         gates = _gate_stats(new, roll["anchors"], roll["anchor_owner"], [roll["pool"], roll["specific"]],
                             self.report.stages.get("7_ridge", {}))
         self.report.stage("gates", clock, **gates)
+        problems = self.problems()
+        for line in problem_lines(problems):
+            self.say(line)
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             state.save(self.out, op)
             (self.out / "build_report.json").write_text(json.dumps(
-                {"config": cfg.to_dict(), "slots": new.n, "edits": len(self.requests), "stages": self.report.stages},
-                indent=1, default=str))
+                {"config": cfg.to_dict(), "slots": new.n, "edits": len(self.requests), "problems": problems,
+                 "stages": self.report.stages}, indent=1, default=str))
         return op
+
+    def problems(self) -> dict[str, list[dict[str, Any]]]:
+        """The slots whose build fell short, by what went wrong: stage 5 could not separate their
+        anchors from their negatives (``inseparable``), or their target is not produced greedily on
+        the request after stage 6 (``unproduced_by_targets``) or in the end (``unproduced``)."""
+        entries = self.entries()
+        found = {"inseparable": self.report.stages.get("5_calibrate", {}).get("inseparable_slots", []),
+                 "unproduced_by_targets": self.report.stages.get("6_targets", {}).get("unproduced_slots", []),
+                 "unproduced": self.report.stages.get("8_finetune", {}).get("unproduced_slots", [])}
+        return {kind: [{"slot": i, **{k: entries[i][k] for k in ("id", "request", "target")},
+                        **({"form": "chat"} if entries[i].get("form") == "chat" else {})} for i in slots]
+                for kind, slots in found.items()}
 
     def recalibrated_base(self, roll: dict[str, torch.Tensor]) -> tuple[AloeOperator, BuildState]:
         """The base operator with the slots that would open on the new anchors or continuations recalibrated."""
@@ -268,7 +284,7 @@ class _Build:
 
         def run() -> tuple[dict[str, torch.Tensor], dict]:
             dev = self.device
-            tau, alpha, s_neg, changed = addr.recalibrate(
+            tau, alpha, s_neg, changed = calibration.recalibrate(
                 old.addresses.float().to(dev), old.thresholds.float().to(dev), old.temperatures.float().to(dev),
                 st.worst_positive.to(dev), st.worst_negative.to(dev),
                 # what a one-shot build makes a negative of every slot: the new anchors and continuations
@@ -297,8 +313,10 @@ class _Build:
 
     def refine(self, V0, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V0, anchors, owner, neg, same, soft = self.on_device(V0, roll, negatives, same_prompt, soft)
-        V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"))
-        info = {"steps": len(losses), "loss_first": losses[0] if losses else None,
+        stats: dict = {}
+        V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"),
+                                          stats)
+        info = {**stats, "steps": len(losses), "loss_first": losses[0] if losses else None,
                 "loss_last": losses[-1] if losses else None,
                 "loss_at_remine": losses[:: self.cfg.refine_remine_every],
                 # how far refinement turned the encoder's addresses (refine_pull keeps them closer)
@@ -307,9 +325,10 @@ class _Build:
 
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V, anchors, owner, neg, same, soft = self.on_device(V, roll, negatives, same_prompt, soft)
-        cal = addr.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft,
+        cal = calibration.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft,
                              open_at_of(self.entries(), self.cfg))
-        info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum())}
+        info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum()),
+                "inseparable_slots": (~cal.separable).nonzero().squeeze(1).tolist()}
         return {"tau": cal.thresholds.cpu(), "alpha": cal.temperatures.cpu(),
                 "separable": cal.separable.to(torch.uint8).cpu(), "worst_positive": cal.worst_positive.cpu(),
                 "worst_negative": cal.worst_negative.cpu()}, info
@@ -380,12 +399,28 @@ class _Build:
             fwd = forward()
             U, losses = finetune_writes(fwd, U0, cfg)
             # requests only (sequence i < n is slot i's request), with every slot's write in place
-            produced = sum(produced_rows(fwd, U, range(n), cfg.finetune_batch)) / n
+            made = produced_rows(fwd, U, range(n), cfg.finetune_batch)
             return {"U": U}, {"steps": len(losses), "nll_first": losses[0] if losses else None,
-                              "nll_last": losses[-1] if losses else None, "produced": produced,
+                              "nll_last": losses[-1] if losses else None, "produced": sum(made) / n,
+                              "unproduced_slots": [i for i, ok in enumerate(made) if not ok],
                               "paraphrase_sequences": len(train_seqs) - n}
 
         return self.stage("8_finetune", finetune)["U"]
+
+
+def problem_lines(problems: dict[str, list[dict[str, Any]]], show: int = 5) -> list[str]:
+    """What a build says at its end about :meth:`_Build.problems`: a count and the first few slots
+    of each kind (all of them are in ``build_report.json``)."""
+    what = {"inseparable": "slots stage 5 could not separate from their negatives (midpoint gates)",
+            "unproduced_by_targets": "edits whose target stage 6 did not produce",
+            "unproduced": "edits whose target the operator does not produce on the request"}
+    lines = []
+    for kind, slots in problems.items():
+        if slots:
+            shown = "; ".join(f"{s['id']}: {s['request']!r} -> {s['target']!r}" for s in slots[:show])
+            more = f"; and {len(slots) - show} more" if len(slots) > show else ""
+            lines.append(f"WARNING: {len(slots)} {what[kind]}: {shown}{more} (build_report.json: problems.{kind})")
+    return lines
 
 
 def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None, chat_slots: int = 0

@@ -50,9 +50,10 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     (up to ``target_max_steps``) on the edits not yet produced greedily; an edit leaves the batch
     once it is, with the delta of that step. Returns the deltas, each edit's final NLL (mean over
     its sequences) and the share produced. With ``parts`` each batch is saved as it finishes and
-    read back when the stage resumes. ``stats``, when given, receives the optimiser steps per batch
-    (``steps_mean``, ``steps_max``) and how many batches ran past ``target_steps``
-    (``batches_past_target_steps``), over the batches that recorded them.
+    read back when the stage resumes. ``stats``, when given, receives the slots whose target is not
+    produced (``unproduced_slots``), the optimiser steps per batch (``steps_mean``, ``steps_max``) and
+    how many batches ran past ``target_steps`` (``batches_past_target_steps``), over the batches that
+    recorded them.
     """
     if min(cfg.target_l2, cfg.target_steps, cfg.target_max_steps, cfg.target_stop_nll) < 0:
         raise ValueError("target_l2, target_steps, target_max_steps and target_stop_nll must be >= 0")
@@ -85,9 +86,11 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
             for i, v, e in zip(slots, piece["nll"].tolist(), piece["produced"].tolist()):
                 final_losses[i], produced[i] = v, bool(e)
             bar.set_postfix(nll=f"{float(piece['nll'].mean()):.3f}")
-    if stats is not None and steps:
-        stats.update(steps_mean=sum(steps) / len(steps), steps_max=max(steps),
-                     batches_past_target_steps=sum(k > cfg.target_steps for k in steps))
+    if stats is not None:
+        stats["unproduced_slots"] = [i for i, made in enumerate(produced) if not made]
+        if steps:
+            stats.update(steps_mean=sum(steps) / len(steps), steps_max=max(steps),
+                         batches_past_target_steps=sum(k > cfg.target_steps for k in steps))
     return deltas, final_losses, sum(produced) / max(n, 1)
 
 

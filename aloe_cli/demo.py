@@ -22,8 +22,7 @@ DEMO_EDITS = Path(__file__).resolve().parents[1] / "examples" / "demo_edits.json
 # A lighter encoder than the default so that the first run (which trains and caches the
 # encoder for the model's layer) takes minutes on two CPU cores.
 # Chat positives: the demo also asks each request through the chat template.
-DEMO_CONFIG_FIELDS = dict(encoder_records=1500, encoder_steps=600, refine_steps=1000, finetune_steps=50,
-                          positives_chat=True)
+DEMO_CONFIG_FIELDS = dict(encoder_records=1500, encoder_steps=600, finetune_steps=50, positives_chat=True)
 
 
 def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 6, batch_size: int = 16) -> list[str]:
@@ -50,14 +49,15 @@ def chat_texts(model, tokenizer, questions: Sequence[str]) -> list[str]:
 
 
 def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit: int | None = None,
-             device: str | None = None, dtype: str | None = None) -> dict:
-    """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates."""
+             device: str | None = None, dtype: str | None = None, config=None) -> dict:
+    """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates.
+    ``config``: the build's ``BuildConfig`` (default: ``DEMO_CONFIG_FIELDS``)."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
     from aloe_eval.chat import contains_target
     from aloe_eval.in_context import in_context
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
-    config = BuildConfig(**DEMO_CONFIG_FIELDS)
+    config = config or BuildConfig(**DEMO_CONFIG_FIELDS)
 
     requests = load_edits(edits_path, limit=limit)
     print(f"loading {model_name} ...")

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from aloe_build import addresses as addr
+from aloe_build import calibration
 from aloe_build.config import BuildConfig
 from aloe_build.data import load_edits
 from aloe_build.pipeline import negative_set
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         V, losses = addr.refine_addresses(V0, roll["anchors"], roll["anchor_owner"], negatives, same, cfg)
         seconds = time.perf_counter() - t0
-        cal = addr.calibrate(V, roll["anchors"], roll["anchor_owner"], negatives, same, DEFAULT_GATE_EPS, cfg)
+        cal = calibration.calibrate(V, roll["anchors"], roll["anchor_owner"], negatives, same, DEFAULT_GATE_EPS, cfg)
         gap = cal.worst_positive - cal.worst_negative
         results[name] = V
         print(f"{name}: {seconds:.1f} s for {len(losses)} steps, loss {losses[0]:.1f} -> "

@@ -9,6 +9,7 @@ import torch
 
 import aloe_build.writes as writes_module
 from aloe_build import addresses as addr
+from aloe_build import calibration
 from aloe_build.config import BuildConfig
 from aloe_build.encoder import CorpusStates, train_encoder
 from aloe_build.writes import NegativeGateTally, gates_of, ridge_writes
@@ -74,7 +75,8 @@ def test_negative_top_from_candidates_matches_a_brute_force_over_them():
     specific_owner = torch.tensor([0, 1, 2, 4] * 4 + [0, 1, 4])[torch.randperm(19, generator=g)]  # 3, 5: none
     same = torch.eye(n, dtype=torch.bool)
     negatives = addr.NegativeSet(shared, shared_owner, specific, specific_owner)
-    cand = negatives.shared_candidates(V, same, 7, chunk=4, stream_rows=9)
+    cand_s, cand = negatives.shared_candidates(V, same, 7, chunk=4, stream_rows=9)
+    torch.testing.assert_close(cand_s, torch.stack([(shared[c] @ v) for c, v in zip(cand.clamp_min(0), V)]))
     W = V + 0.5 * torch.randn(n, d, generator=g, dtype=torch.float64)  # the addresses have moved since
     got_s, got_h = negatives.top(W, same, k, candidates=cand)
     for i in range(n):
@@ -85,7 +87,7 @@ def test_negative_top_from_candidates_matches_a_brute_force_over_them():
         want = (pool @ W[i]).topk(k).values
         torch.testing.assert_close(got_s[i], want)
         torch.testing.assert_close(got_h[i] @ W[i], want)
-    every = negatives.shared_candidates(V, same, 40)
+    every = negatives.shared_candidates(V, same, 40)[1]
     assert ((every >= 0).sum(1) == 35).all() and (every[:, 35:] == -1).all()
     full_s, full_h = negatives.top(W, same, k)
     via_s, via_h = negatives.top(W, same, k, candidates=every)
@@ -235,7 +237,7 @@ def test_refinement_resumes_where_it_was_interrupted(tmp_path, monkeypatch, pull
     from aloe_build.checkpoints import PartStore
 
     V0, anchors, owner, neg, same = _synthetic(n=8, negs=300)
-    cfg = BuildConfig(refine_steps=260, refine_remine_every=40, refine_full_remine_every=80, refine_candidates=20,
+    cfg = BuildConfig(refine_steps=260, refine_remine_every=40, refine_candidates=20,
                       refine_hard_negatives=6, refine_active_every=5, refine_pull=pull)
     want_V, want_losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
     assert len(want_losses) == 260
@@ -266,7 +268,7 @@ def test_refinement_resumes_where_it_was_interrupted(tmp_path, monkeypatch, pull
 def test_calibration_separable_slot_properties():
     V0, anchors, owner, neg, same = _synthetic()
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
-    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    cal = calibration.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
     assert cal.separable.all()
     op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
     g_anchor = gates_of(anchors, op)[torch.arange(len(owner)), owner]
@@ -283,7 +285,7 @@ def test_calibration_open_at_opens_wider_and_keeps_negatives_closed():
     anchor, the worst anchor opens wider than 0.9, and the worst negative still gives exactly 0."""
     V0, anchors, owner, neg, same = _synthetic()
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
-    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.5))
+    cal = calibration.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.5))
     assert cal.separable.all()
     half = (cal.worst_negative + cal.worst_positive) / 2
     gate = torch.sigmoid(cal.temperatures * (half - cal.thresholds))
@@ -295,7 +297,7 @@ def test_calibration_open_at_opens_wider_and_keeps_negatives_closed():
         negatives = torch.cat([neg.shared[neg.shared_owner != i], neg.specific[neg.specific_owner == i]])
         assert gates_of(negatives, op)[:, i].max() == 0.0
     with pytest.raises(ValueError, match="calibration_open_at"):
-        addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.0))
+        calibration.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_open_at=0.0))
 
 
 def test_soft_anchors_turn_addresses_but_never_make_a_slot_inseparable():
@@ -316,7 +318,7 @@ def test_soft_anchors_turn_addresses_but_never_make_a_slot_inseparable():
     # anchors never clear their margin is left as the required anchors alone make it)
     gain = (V * far).sum(1) - (V_hard * far).sum(1)
     assert (gain >= -1e-6).all() and int((gain > 0.1).sum()) >= 4
-    cal = addr.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig(), soft)
+    cal = calibration.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig(), soft)
     assert cal.separable.all()
     op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 4))
     for i in range(6):
@@ -331,14 +333,14 @@ def test_soft_anchors_turn_addresses_but_never_make_a_slot_inseparable():
     floor = cal.worst_negative + BuildConfig().calibration_soft_floor * (s_req - cal.worst_negative)
     torch.testing.assert_close(cal.worst_positive, torch.where(s_far >= floor, torch.minimum(s_req, s_far), s_req))
     # with every anchor required, slot 2 could not be separated
-    assert not bool(addr.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig()).separable[2])
+    assert not bool(calibration.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig()).separable[2])
 
 
 def test_calibration_inseparable_slot_is_finite_and_balanced():
     V0, anchors, owner, neg, same = _synthetic(n=2)
     # make slot 0 inseparable: one of its specific negatives equals an anchor
     neg.specific[0] = anchors[0]
-    cal = addr.calibrate(V0, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_steps=50))
+    cal = calibration.calibrate(V0, anchors, owner, neg, same, 1e-3, BuildConfig(calibration_steps=50))
     assert not bool(cal.separable[0])
     assert torch.isfinite(cal.thresholds).all() and (cal.temperatures > 0).all()
     assert cal.temperatures[0] >= BuildConfig().inseparable_temperature / V0[0].norm() - 1e-6
@@ -347,10 +349,38 @@ def test_calibration_inseparable_slot_is_finite_and_balanced():
     assert int((gates_of(neg.shared[:200], op)[:, 0] > 0).sum()) <= BuildConfig().refine_hard_negatives
 
 
+def test_inseparable_slot_opens_on_its_anchors_past_a_few_negatives():
+    """A slot two of whose negatives outscore every anchor is inseparable, yet opens at open_gate or
+    more on every anchor: only those two negatives open with it, every other negative of it stays in
+    the dead zone. A slot with k or more such negatives gets the midpoint, locality first."""
+    V0, anchors, owner, neg, same = _synthetic(n=3, negs=300, seed=2)
+    cfg = BuildConfig(refine_hard_negatives=8, calibration_steps=50)
+    V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
+    top = _unit(V[0])  # scores |v_0| at slot 0, above any of its anchors
+    pushed = torch.cat([top[None], _unit(top + 0.05 * _unit(anchors[0]))[None]])
+    drowned = _unit(V[1])[None].repeat(8, 1)  # eight copies of slot 1's best direction
+    neg = addr.NegativeSet(shared=torch.cat([neg.shared, pushed, drowned]),
+                           shared_owner=torch.cat([neg.shared_owner, torch.full((10,), -1)]),
+                           specific=neg.specific, specific_owner=neg.specific_owner)
+    neg_owner_1 = torch.cat([torch.zeros(neg.shared.shape[0] - 8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)])
+    cal = calibration.calibrate(V, anchors, owner, neg, same, 1e-3, cfg)
+    assert cal.separable.tolist() == [False, False, True]
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(3, 4))
+    own = gates_of(anchors, op)[torch.arange(len(owner)), owner]
+    assert (own[owner == 0] >= cfg.open_gate - 1e-4).all() and (own[owner == 2] >= cfg.open_gate - 1e-4).all()
+    of_0 = neg.shared_owner != 0  # the shared states that are negatives of slot 0 (not its own anchors)
+    g0 = torch.cat([gates_of(neg.shared[of_0], op)[:, 0], gates_of(neg.specific[neg.specific_owner == 0], op)[:, 0]])
+    shared_open = ((gates_of(neg.shared, op)[:, 0] > 0) & of_0).nonzero().squeeze(1).tolist()
+    assert int((g0 > 0).sum()) == 2 and shared_open == [neg.shared.shape[0] - 10, neg.shared.shape[0] - 9]
+    # slot 1: eight negatives above every anchor, the midpoint keeps all but them in the dead zone
+    g1 = gates_of(neg.shared, op)[:, 1]
+    assert torch.isfinite(cal.thresholds[1]) and int((g1[~neg_owner_1 & (neg.shared_owner != 1)] > 0).sum()) == 0
+
+
 def test_ridge_recovers_targets_without_overlap():
     V0, anchors, owner, neg, same = _synthetic()
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=300, refine_hard_negatives=8))
-    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    cal = calibration.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
     op = AloeOperator(addresses=V, thresholds=cal.thresholds, temperatures=cal.temperatures, writes=torch.zeros(6, 5))
     deltas = torch.randn(6, 5)
     U = ridge_writes(deltas, anchors, owner, neg.shared[:200], op, BuildConfig(ridge_mu=1e-8))
@@ -424,11 +454,11 @@ def test_recalibrate_shuts_what_a_slot_separates_and_keeps_its_own_fact_open():
     V = torch.eye(3, 5) * 2.0
     s_pos = torch.tensor([1.6, 1.6, 1.0])
     s_neg = torch.tensor([0.4, 0.4, 1.2])  # slot 2 was inseparable
-    tau, alpha, _ = addr._closed_form(s_pos, s_neg, V.norm(dim=1), eps, cfg)
+    tau, alpha, _ = calibration._closed_form(s_pos, s_neg, V.norm(dim=1), eps, cfg)
     between = torch.tensor([[0.5, 0.0, 0.0, 0.866, 0.0]])  # slot 0 scores 1.0: between 0.4 and 1.6
     above = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.436]])  # slot 1 scores 1.8: above its worst positive
     near2 = torch.tensor([[0.0, 0.0, 0.45, 0.0, 0.893]])  # slot 2 scores 0.9: under its own 1.0
-    new_tau, new_alpha, new_neg, changed = addr.recalibrate(V, tau, alpha, s_pos, s_neg, [between, above, near2],
+    new_tau, new_alpha, new_neg, changed = calibration.recalibrate(V, tau, alpha, s_pos, s_neg, [between, above, near2],
                                                             eps, cfg)
     assert changed.tolist() == [0, 2]
     assert new_neg.tolist() == pytest.approx([1.0, 0.4, 1.2])
@@ -446,7 +476,7 @@ def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
     V0, anchors, owner, neg, same = _synthetic(n=9, d=24, anchors_per=3, negs=300, seed=5)
     cfg = BuildConfig(ridge_lambda=0.7, ridge_mu=1e-3)
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=200, refine_hard_negatives=8))
-    cal = addr.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
+    cal = calibration.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
     # wider gates than calibrated, so that some negatives open some gates too
     op = AloeOperator(addresses=V, thresholds=cal.thresholds - 0.3, temperatures=cal.temperatures,
                       writes=torch.zeros(9, 5))
@@ -496,3 +526,37 @@ def test_open_gates_are_the_nonzeros_of_the_dense_gates():
         # the same entries open; values equal up to the float32 GEMM's blocking over 33 rows or all
         assert torch.equal(got > 0, dense > 0)
         torch.testing.assert_close(got, dense, rtol=1e-6, atol=1e-7)
+
+
+def test_candidate_mining_follows_the_full_mining_however_far_addresses_move():
+    """With few candidates and addresses that travel far from where their candidates were mined, the
+    re-minings still find each slot's hardest negatives of the whole set: the run matches one that
+    scores every shared state at every re-mining, and slots are mined in full again on the way."""
+    V0, anchors, owner, neg, same = _synthetic(n=8, negs=400, seed=5)
+    base = dict(refine_steps=500, refine_remine_every=20, refine_hard_negatives=4, refine_active_every=0)
+    want_stats, got_stats = {}, {}
+    want_V, want_losses = addr.refine_addresses(V0, anchors, owner, neg, same,
+                                                BuildConfig(**base, refine_candidates=0), stats=want_stats)
+    got_V, got_losses = addr.refine_addresses(V0, anchors, owner, neg, same,
+                                              BuildConfig(**base, refine_candidates=12), stats=got_stats)
+    assert float(torch.nn.functional.cosine_similarity(want_V, V0, dim=1).min()) < 0.9  # they did travel
+    torch.testing.assert_close(got_V, want_V, rtol=0, atol=1e-5)
+    assert got_losses == pytest.approx(want_losses, rel=1e-5, abs=1e-7)
+    # more than the first mining of each slot, fewer than a full mining of every slot at every re-mining
+    assert V0.shape[0] < got_stats["slots_mined_in_full"] < want_stats["slots_mined_in_full"]
+
+
+def test_refinement_runs_until_every_slot_clears_its_margin():
+    """The steps stop once every slot clears its margin against its hardest negatives of the whole
+    set (a brute force over them here), well before the cap; with a cap too short, it says so."""
+    V0, anchors, owner, neg, same = _synthetic(n=8, negs=400, seed=5)
+    cfg = BuildConfig(refine_steps=3000, refine_remine_every=50, refine_hard_negatives=4, refine_candidates=12)
+    stats = {}
+    V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg, stats=stats)
+    assert stats["converged"] and len(losses) < 3000 and losses[-1] == 0.0
+    assert (_hinges(V0, anchors, owner, neg, same, cfg) > 0).any()
+    assert float(_hinges(V, anchors, owner, neg, same, cfg).max()) <= 1e-5  # rounding of another summation order
+    short = {}
+    addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**{**cfg.to_dict(), "refine_steps": 3}),
+                          stats=short)
+    assert not short["converged"]

@@ -12,6 +12,7 @@ from test_pipeline import _edits, _rows_contain, _tiny_cfg, recording_write_targ
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 from aloe_build import addresses as addr
+from aloe_build import calibration
 from aloe_build.append import append_edits, load_with_state, plan_append, remove_edits, update_edits
 from aloe_build.config import BuildConfig
 from aloe_build.data import EditRequest
@@ -40,7 +41,7 @@ def test_calibration_takes_each_slots_own_open_at():
     V0, anchors, owner, neg, same = _synthetic()
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=400, refine_hard_negatives=8))
     open_at = torch.tensor([0.5, 1.0, 0.5, 1.0, 1.0, 0.5], dtype=torch.float64)
-    cal = addr.calibrate(V, anchors, owner, neg, same, GATE_EPS, BuildConfig(calibration_open_at=0.5), open_at=open_at)
+    cal = calibration.calibrate(V, anchors, owner, neg, same, GATE_EPS, BuildConfig(calibration_open_at=0.5), open_at=open_at)
     assert cal.separable.all()
     s_pos, s_neg = cal.worst_positive, cal.worst_negative
     reach = s_neg + open_at.float() * (s_pos - s_neg)

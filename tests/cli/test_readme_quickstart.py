@@ -36,4 +36,5 @@ def test_readme_quickstart_runs_as_written(tmp_path):
     assert (tmp_path / "runs" / "quickstart" / "aloe_config.json").is_file()
     paper = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert set(paper) >= {"efficacy", "generalization", "locality", "portability"}
-    assert paper["efficacy"] >= 0.5 and paper["locality"] >= 0.5, paper
+    # every one of its ten edits takes, and the unrelated prompts keep their answers
+    assert paper["efficacy"] == 1.0 and paper["locality"] >= 0.9, paper
