@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         full_s, _ = negatives.top(V, same, cfg.refine_hard_negatives)
         t1 = time.perf_counter()
-        cand = negatives.shared_candidates(V, same, cfg.refine_candidates)
+        cand = negatives.shared_candidates(V, same, cfg.refine_candidates)[1]
         t2 = time.perf_counter()
         cand_s, _ = negatives.top(V, same, cfg.refine_hard_negatives, candidates=cand)
         t3 = time.perf_counter()
