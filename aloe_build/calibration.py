@@ -92,8 +92,9 @@ def _open_past_negatives(anchor_s: torch.Tensor, anchor_owner: torch.Tensor, har
     """The inseparable slots that can still open on their anchors at the cost of fewer than k
     negatives: those with an anchor scoring above their k-th hardest negative (``hard_s``, (n, k),
     best first; ``anchor_s``: each anchor's score at its own slot). Returns the slots, each one's
-    lowest such anchor score (where its gate is to reach ``open_gate``) and the highest negative
-    score below it (where its dead zone is to begin).
+    lowest such anchor score (where its gate is to reach ``open_gate``) and where its dead zone is to
+    begin: the highest negative score below that anchor, or a thousandth of |v| below the anchor if
+    that is lower.
 
     A midpoint gate cannot serve such a slot: the dead zone must cover every negative but the k
     hardest (locality first), and a gate soft enough to sit between anchors and negatives then
@@ -107,9 +108,11 @@ def _open_past_negatives(anchor_s: torch.Tensor, anchor_owner: torch.Tensor, har
         0, anchor_owner[clear], anchor_s[clear].to(hard_s.dtype), reduce="amin")
     above = (hard_s >= s_open[:, None]).sum(1).clamp_max(k - 1)  # the hardest negatives at or above it
     below = hard_s.gather(1, above[:, None]).squeeze(1)
-    ok = ~separable & torch.isfinite(s_open) & torch.isfinite(below) & (s_open - below > 1e-6 * norms)
+    ok = ~separable & torch.isfinite(s_open) & torch.isfinite(below) & (s_open > below)
     rows = ok.nonzero().squeeze(1)
-    return rows, s_open[rows], below[rows]
+    # the dead zone starts at least a thousandth of |v| below the anchor: a narrower gap would make a
+    # gate steep enough for rounding to flip it (the negatives in that sliver open a little)
+    return rows, s_open[rows], torch.minimum(below[rows], s_open[rows] - 1e-3 * norms[rows])
 
 
 def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, gate_eps: float, cfg: BuildConfig,

@@ -471,8 +471,10 @@ def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives, ridge_report
     """Each anchor's gate at its own slot, and how the negatives open gates: counted by stage 7,
     which gates every negative at every slot with the same addresses and calibration (a build
     resumed from a stage-7 checkpoint without those counts gates them again)."""
-    V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
-    own = gates_from_scores((anchors.float() * V[anchor_owner]).sum(-1), tau[anchor_owner], alpha[anchor_owner],
+    # in float64: a steep gate (a slot calibrated over a narrow gap) turns float32 rounding of the
+    # scores into visible differences of the gates reported
+    V, tau, alpha = (t.double() for t in (op.addresses, op.thresholds, op.temperatures))
+    own = gates_from_scores((anchors.double() * V[anchor_owner]).sum(-1), tau[anchor_owner], alpha[anchor_owner],
                             op.gate_eps)
     tally = NegativeGateTally()
     negative = {k: ridge_report[k] for k in tally.summary() if k in ridge_report}
