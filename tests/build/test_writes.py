@@ -147,8 +147,12 @@ def test_write_targets_keep_going_until_targets_are_produced():
         deltas, nll_long, produced_long = write_targets(fwd, longer, stats=stats_long)
     assert produced_short < 1.0  # the unedited model does not produce these targets
     # one batch of 4: no step at all with 0 allowed; past the 0 fixed steps, at most 150, with 150
+    unproduced_short = stats_short.pop("unproduced_slots")
     assert stats_short == {"steps_mean": 0.0, "steps_max": 0, "batches_past_target_steps": 0}
+    assert len(unproduced_short) == round((1 - produced_short) * 4) > 0
     assert 0 < stats_long["steps_max"] <= 150 and stats_long["batches_past_target_steps"] == 1
+    # the slots listed as unproduced are those whose target the fitted deltas miss
+    assert len(stats_long["unproduced_slots"]) == round((1 - produced_long) * 4)
     assert produced_long > produced_short and sum(nll_long) < sum(nll_short)
     rows = list(range(len(seqs)))
     g = fwd.own_gates(rows)[..., None]
