@@ -52,15 +52,14 @@ def chat_texts(model, tokenizer, questions: Sequence[str]) -> list[str]:
 
 
 def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit: int | None = None,
-             device: str | None = None, dtype: str | None = None, config=None) -> dict:
-    """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates.
-    ``config``: the build's ``BuildConfig`` (default: ``DEMO_CONFIG_FIELDS``)."""
+             device: str | None = None, dtype: str | None = None) -> dict:
+    """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
     from aloe_eval.chat import contains_target
     from aloe_eval.in_context import in_context
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
-    config = config or BuildConfig(**DEMO_CONFIG_FIELDS)
+    config = BuildConfig(**DEMO_CONFIG_FIELDS)
 
     requests = load_edits(edits_path, limit=limit)
     print(f"loading {model_name} ...")
