@@ -192,8 +192,9 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         help="score an operator (and baselines) on an edit stream",
         description="Score an ALOE operator on an edit stream with the paper's protocol (greedy exact match), "
         "EasyEdit's teacher-forced token accuracy, and gate diagnostics; compare with the unedited model and "
-        "a GRACE reimplementation on the same model, layer and stream. Writes eval_report.json, eval_report.md "
-        "and PNG plots.",
+        "a GRACE reimplementation on the same model, layer and stream. Writes eval_report.json and "
+        "eval_report.md (the summaries), eval_rows.jsonl.gz (the per-edit rows), eval_plots.json (the data of "
+        "the figures) and PNG plots.",
     )
     p.add_argument("--model", required=True, help="'smollm2', a local transformers directory, or a .gguf file")
     p.add_argument("--operator", default=None, help="ALOE artifact directory (omit to score baselines only)")
@@ -216,7 +217,7 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--grace-iters", type=int, default=None, help="GRACE value-training iterations (default 100)")
     p.add_argument("--no-check-fingerprint", action="store_true",
                    help="apply the operator even if its weight fingerprint does not match the model")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures (their data still goes to eval_plots.json)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--sequential", type=int, default=0, metavar="K",

@@ -10,17 +10,19 @@ For every editor with slots (ALOE gates, GRACE codebook hits):
   edited) under a shared PCA, with the mean relative drift and the next-token
   agreement in the title.
 
-Everything is drawn from the JSON report (``EvalReport.to_dict()``), so a
-saved report can be re-plotted with :func:`plot_report`.
+Everything is drawn from the JSON report (``EvalReport.to_dict()``); a saved
+report is re-plotted from its ``eval_report.json`` and ``eval_plots.json`` by
+:func:`plot_saved`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["plot_editor", "plot_report"]
+__all__ = ["plot_editor", "plot_report", "plot_saved"]
 
 
 def _slug(name: str) -> str:
@@ -112,3 +114,15 @@ def plot_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pat
         title = f"{name}: {meta.get('model', '')} layer {meta.get('layer', '')}, {meta.get('n_edits', '')} edits"
         out[name] = plot_editor(ed, Path(out_dir) / f"{_slug(name)}_gates.png", title=title)
     return out
+
+
+def plot_saved(out_dir: str | Path) -> dict[str, Path]:
+    """Re-draw the figures of the report saved in ``out_dir`` (its rows are not read); ``{}`` when its
+    plot data was not kept."""
+    from .report import REPORT_NAME, read_plots
+
+    report = json.loads((Path(out_dir) / REPORT_NAME).read_text())
+    plots = read_plots(out_dir, report)
+    for name, ed in report["editors"].items():
+        ed["plots"] = plots.get(name, {})
+    return plot_report(report, out_dir)

@@ -44,7 +44,7 @@ def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
     assert meta["data_sha256"] == hashlib.sha256(edits.read_bytes()).hexdigest()
     assert meta["command"].startswith("aloe eval --model ") and "--baseline grace" in meta["command"]
     assert (out / "eval_report.md").is_file() and (out / "aloe_gates.png").is_file()
-    assert (out / "grace_reimplementation_gates.png").is_file()
+    assert (out / "grace_reimplementation_gates.png").is_file() and (out / "eval_plots.json").is_file()
 
     # baselines only: no operator
     out2 = tmp_path / "eval2"

@@ -15,6 +15,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from aloe_build.data import EditRequest
 from aloe_eval import AloeEditor, Editor, EvalReport, UneditedEditor, evaluate, exact_match, relative_drift, token_accuracy
+from aloe_eval.plots import plot_saved
 from aloe_kernels import apply_aloe, remove_aloe
 from aloe_kernels.hf import locate_down_proj
 
@@ -167,7 +168,8 @@ def test_report_schema_json_markdown_and_plots(tiny, tmp_path):
     rep = evaluate(model, tok, reqs, op, baseline=["unedited"], progress=False, meta={"command": "test"})
     d = json.loads(rep.to_json())
     assert d["schema"] == "aloe-eval/2" and d["primary"] == "ALOE" and d["rows_file"] == "eval_rows.jsonl.gz"
-    assert all("rows" not in e for e in d["editors"].values())  # the rows go to their own file
+    assert d["plots_file"] == "eval_plots.json"
+    assert all("rows" not in e and "plots" not in e for e in d["editors"].values())  # each goes to its own file
     d = rep.to_dict()
     assert set(d["editors"]) == {"ALOE", "unedited"}
     assert d["meta"]["operator_hash"] == op.fingerprint() and d["meta"]["command"] == "test"
@@ -194,8 +196,18 @@ def test_report_schema_json_markdown_and_plots(tiny, tmp_path):
     assert back.summary["paper"] == d["editors"]["ALOE"]["summary"]["paper"]
     for name, e in back.editors.items():
         assert e.rows == json.loads(json.dumps(d["editors"][name]["rows"]))
+        assert e.plots == json.loads(json.dumps(d["editors"][name]["plots"]))
         assert len(e.rows) == 3
-    assert paths["rows"].read_bytes() == rep.save(tmp_path / "again", plots=False)["rows"].read_bytes()
+    again = rep.save(tmp_path / "again", plots=False)
+    assert paths["rows"].read_bytes() == again["rows"].read_bytes()
+    assert not (tmp_path / "again" / png.name).exists()
+    assert set(plot_saved(tmp_path / "again")) == {"ALOE"} and (tmp_path / "again" / png.name).is_file()
+    # the summary alone (the dumps not kept) loads with no rows and no plot data, and draws nothing
+    again["rows"].unlink()
+    again["plots"].unlink()
+    bare = EvalReport.load(tmp_path / "again")
+    assert bare.summary == back.summary and bare.rows == [] and bare.editors["ALOE"].plots == {}
+    assert plot_saved(tmp_path / "again") == {}
 
 
 def test_evaluate_leaves_model_unpatched_and_refuses_patched(tiny):
