@@ -35,9 +35,9 @@ def test_disjoint_stream_drops_each_overlap_and_keeps_order():
 
 
 def test_counterfact_stream_is_disjoint_from_the_bundled_corpus(data_dir, tmp_path):
-    from benchmarks.counterfact_stream import main
+    from aloe_eval.streams import main
 
-    path = main(["--data", str(data_dir / "counterfact"), "--out", str(tmp_path / "stream.jsonl")])
+    path = main(["counterfact", "--data", str(data_dir / "counterfact"), "--out", str(tmp_path / "stream.jsonl")])
     stream = load_edits(path)
     corpus = [json.loads(line) for line in default_corpus_path().read_text().splitlines() if line.strip()]
     # checked here on the raw corpus file, not through the module under test
@@ -48,3 +48,21 @@ def test_counterfact_stream_is_disjoint_from_the_bundled_corpus(data_dir, tmp_pa
     assert stream[0].id == str(val[0]["case_id"])  # CounterFact val comes first
     report = json.loads((tmp_path / "stream.jsonl.report.json").read_text())
     assert report["kept"] == len(stream)
+
+
+def test_in_context_stream_puts_each_request_after_unrelated_text(tmp_path):
+    from aloe_build.data import save_edits_jsonl
+    from aloe_eval.in_context import in_context
+    from aloe_eval.streams import IN_CONTEXT_PER_EDIT, main
+
+    records = [EditRequest(prompt=f"{s} is in", target_new="Peru", subject=s, rephrases=(f"{s} lies in",),
+                           locality=(f"Oslo{i} is in",), portability=({"prompt": "Where?", "ground_truth": "Peru"},),
+                           id=str(i))
+               for i, s in enumerate(["Paris", "Rome", "Lima"])]
+    src = save_edits_jsonl(records, tmp_path / "in.jsonl")
+    out = load_edits(main(["in-context", str(src), "--limit", "2", "--out", str(tmp_path / "out.jsonl")]))
+    assert [e.id for e in out] == ["0", "1"]
+    for i, (e, r) in enumerate(zip(out, records)):
+        assert e.rephrases == in_context(r.prompt, IN_CONTEXT_PER_EDIT, IN_CONTEXT_PER_EDIT * i)
+        assert all(q.endswith(r.prompt) and q != r.prompt for q in e.rephrases)
+        assert [lp.prompt for lp in e.locality] == [f"Oslo{i} is in"] and e.portability == ()
