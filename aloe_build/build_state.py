@@ -6,7 +6,7 @@ existing operator without recomputing anything of the old ones. It needs
 - the old slots' anchor states (the new slots must stay shut on them), and
 - each old slot's worst anchor score and worst negative score, so that an old
   slot that would open on the new edits' states can be recalibrated by the
-  closed form of stage 5 (:func:`aloe_build.addresses.recalibrate`).
+  closed form of stage 5 (:func:`aloe_build.stages.s5_calibrate.recalibrate`).
 
 Files: ``aloe_build_state.safetensors`` (``anchors`` (A, d) float32 unit rows,
 ``anchor_owner`` (A,), ``worst_positive`` (n,), ``worst_negative`` (n,)) and

@@ -1,4 +1,4 @@
-"""Chat slots (``BuildConfig.chat_slots``): each edit's chat forms get a slot of their own.
+"""Chat slots (``BuildConfig.chat.chat_slots``): each edit's chat forms get a slot of their own.
 
 A build with chat positives anchors one slot on the request and on its chat forms. A gate widened
 for rewordings (``calibration_open_at`` < 1) then also opens wider at the chat template's assistant

@@ -1,15 +1,22 @@
-"""Every knob of the build pipeline, with the paper's defaults where it gives them.
+"""Every setting of the build pipeline, with the paper's defaults where it gives them.
 
-Each field declares the stage it belongs to (``stage`` in its metadata; 0 for
-fields every stage depends on). A stage's checkpoint is keyed by the fields
-of that stage and the ones before it, so changing a later stage's setting
-keeps the earlier checkpoints; the measured effect of each setting is in
-``docs/results.md``.
+:class:`BuildConfig` holds the stable settings, :class:`ChatConfig` (``BuildConfig.chat``) those of
+edits asked through a chat template, and :class:`ExperimentalConfig` (``BuildConfig.experimental``)
+the measured experiments that are off by default; setting one of those warns. Each field carries
+its ``stage`` (0: every stage) and a ``help`` text in its metadata: ``aloe build --help`` and
+docs/options.md are generated from them (``python -m aloe_cli.options_doc``).
+
+Keys are flat: ``BuildConfig(positives_chat=True)``, ``--set positives_chat=true`` and
+:meth:`BuildConfig.to_dict` name every field by its own name, whichever group holds it. A stage's
+checkpoint is keyed by the fields of that stage and the ones before it, so changing a later
+stage's setting keeps the earlier checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any
 
 from .system_prompts import GENERIC_SYSTEM_PROMPTS
@@ -27,227 +34,46 @@ STAGES = {
 }
 
 
-def _at(stage: int, default: Any) -> Any:
-    """A field of ``stage`` (0: every stage) with ``default``."""
-    return dataclasses.field(default=default, metadata={"stage": stage})
+def _at(stage: int, default: Any, help: str) -> Any:
+    """A field of ``stage`` (0: every stage) with ``default`` and its ``help`` text."""
+    return dataclasses.field(default=default, metadata={"stage": stage, "help": help})
 
 
 @dataclasses.dataclass
-class BuildConfig:
-    """Configuration of :func:`aloe_build.build_operator` (stages listed in :data:`STAGES`)."""
+class ChatConfig:
+    """Edits that fire when the model is asked through its chat template (``BuildConfig.chat``).
+    Every field but ``positives_chat`` only matters when it is on."""
 
-    layer: int | None = _at(0, None)  # edited decoder layer; None = the model family's default
-    seed: int = _at(0, 0)
-    batch_size: int = _at(0, 32)  # prompts per forward pass when collecting states
-    compute_dtype: str = _at(6, "float32")  # "bfloat16" runs the write stages (6, 8) under autocast
-
-    # (1) address encoder, trained on a construction corpus disjoint from the edited stream
-    encoder_corpus: str | None = _at(1, None)  # CounterFact-style file; None = the bundled corpus
-    encoder_records: int = _at(1, 4000)  # corpus records used (states are collected once per model and layer)
-    encoder_dim: int = _at(1, 256)  # p: rows of Q and K
-    encoder_steps: int = _at(1, 1500)
-    encoder_batch: int = _at(1, 64)  # records per relation-balanced minibatch
-    encoder_lr: float = _at(1, 2e-3)
-    encoder_margin: float = _at(1, 0.2)  # locality / same-subject margin m in score units
-    encoder_ortho: float = _at(1, 0.1)  # weight of the key orthogonality penalty
-    encoder_same_subject: int = _at(1, 2)  # same-subject other-relation prompts per corpus record
-    # the same-subject prompts also serve as competing keys: each paraphrase must pick its own
-    # request over keys of its subject under other relations (the 16-way test of the paper)
-    encoder_same_subject_keys: bool = _at(1, True)
-    # each key also ranks its paraphrase above the locality inputs and same-subject prompts of every
-    # other batch item (other subjects' facts of its own relation among them), not only its own
-    encoder_batch_negatives: bool = _at(1, False)
-    # weight of a logistic loss of every positive and negative score of a batch against one learned
-    # threshold: the ranking losses are per key, and this makes one threshold serve every key.
-    # Both off by default: with both on, the mechanism study improves (docs/results.md) but a small
-    # 6-edit SmolLM2 build with a short stage 1 made 2 of its 6 edits instead of 5 or more
-    encoder_threshold_weight: float = _at(1, 0.0)
-    # share of each training state's coordinates zeroed at every step before it is renormalized:
-    # the encoder fits its training items far better than new ones (locality AUC 0.990 against
-    # 0.956), and dropout narrows that gap (docs/results.md, "The encoder overfits its training items")
-    encoder_dropout: float = _at(1, 0.0)
-    # encoders trained from different seeds whose addresses are averaged (still one address per edit,
-    # so serving is unchanged): each member's errors are partly its own (docs/results.md, "Several
-    # encoders, one address")
-    encoder_members: int = _at(1, 1)
-    encoder_cache: str | None = _at(1, None)  # directory of cached encoders; None = $ALOE_CACHE/encoders
-
-    # (3) rollouts: anchors from the request and its target; negatives from other text
-    # target tokens that get anchor states and are trained in stages 6-8 (longer targets are
-    # produced only up to here)
-    max_target_tokens: int = _at(3, 32)
-    # keep as anchors the target positions whose token the unedited model already predicts from the
-    # request and the target so far (they need no write, and their states are the target text's own,
-    # which the target quoted in any other context shares)
-    anchor_predicted_targets: bool = _at(3, False)
-    negative_pool_records: int = _at(3, 800)  # corpus records whose prompts (all positions) are shared negatives
-    # greedy continuations of this many tokens by the unedited model, appended to the pool's prompts
-    # and to every request; their states are negatives too (a request's own continuation excepted),
-    # so that slots stay shut on the tokens a model writes
-    negative_continuation_tokens: int = _at(3, 16)
-    # rewordings of the first this many corpus requests (their paraphrase prompts, "X is incredible
-    # at"), except those about an edited subject, in the shared pool with their continuations, so that
-    # a slot stays shut on other subjects' facts asked in words its negatives did not hold (0: none)
-    negatives_paraphrases: int = _at(3, 0)
-    # generic questions about corpus subjects (questions.QUESTION_FRAMES; every other one a lower-case
-    # query without its question mark) in the shared pool with their continuations, so that a slot
-    # stays shut on the question marks of unrelated questions and the answers that follow (0: none)
-    negatives_questions: int = _at(3, 800)
-    # precision of the forward passes that make each edit's negatives (the request continuations,
-    # the chat answers, the edit's own negative prompts): "bfloat16" runs them under autocast, which
-    # on CPUs with AMX is about three times faster; the anchors and the shared pool stay in the
-    # model's dtype
-    negatives_dtype: str = _at(3, "float32")
-    negatives_same_subject: int = _at(3, 3)  # other-relation templates filled with the edit's subject
-    negatives_same_relation: int = _at(3, 3)  # the edit's template filled with other corpus subjects
-    # other requests' templates of the edited stream (of another relation where both are known)
-    # filled with the edit's subject: same-subject prompts in the stream's own phrasing
-    negatives_stream_templates: int = _at(3, 8)
-    # the edit's template filled with other subjects of the stream
-    negatives_stream_subjects: int = _at(3, 8)
-    # the edit's template with one relation word swapped for another word of the stream's or the
-    # corpus's templates, filled alternately with the edit's subject and another stream subject
-    negatives_word_swaps: int = _at(3, 8)
-    # the request reworded to ask for a value other than its target ("The occupation of X, which is
-    # not <target>, is"; requests ending in is/are/was/were only), negatives of its own slot
-    negatives_exclusions: int = _at(3, 3)
-    # Paraphrase positives: other templates of the edit's relation (from the construction corpus)
-    # filled with the edit's subject; soft anchors in stages 4-5 (see refine_soft_weight,
-    # calibration_soft_floor) and, where their gate opens, training sequences in stages 6-8.
-    # Raises generalization to rewordings at a cost in locality; off by default.
-    positives_same_relation: int = _at(3, 0)
-    # Context positives: the request after this many true statements of the construction corpus,
-    # required anchors at the last prompt token, so that an edit fires after unrelated text
-    positives_prefixed: int = _at(3, 4)
-    # ... drawn from this many corpus statements, picked once per build (0: from all of them), so
-    # that one statement stands before many requests and runs through the model once for all of
-    # them (stage 3 shares prefixes); each request still gets its own random few. 256 is measured in
-    # docs/results.md ("On an AVX-512 CPU"); off until a light build's efficacy is checked with it
-    positives_prefix_pool: int = _at(3, 0)
-    # Chat positives: the request as the user turn of the model's chat template (its default
-    # system prompt), the target as the start of the answer; required anchors along the target and
-    # training sequences of the writes, so that an edit fires as a served chat model is asked
-    positives_chat: bool = _at(3, False)
-    # With chat positives, chat-form negatives: the requests and locality prompts of the first this
-    # many corpus records asked through the same template (every position after the shared header,
-    # and the unedited answer's first tokens), shared by every edit and cached like the pool...
-    negatives_chat_pool: int = _at(3, 400)
-    # ...and this many of each edit's own negative prompts, one of each kind in turn (another relation
-    # of its subject, its relation of another subject, ..., the exclusion rewording), asked the same
-    # way, negatives of its slot
-    negatives_chat_own: int = _at(3, 6)
-    # With chat positives, more system prompts to build under (a deployment's own, for example):
-    # each request is also asked after each of them, and the chat-form pool's records are shared
-    # out among the default and these prompts in turn (the pool keeps its size)
-    chat_systems: tuple[str, ...] = _at(3, ())
-    # With chat positives, the unedited model's answers to chat-form negatives run this many tokens,
-    # as far as a served answer is read (the chat evaluation reads 32); the answers to each request's
-    # chat forms are negatives of every other slot, as its plain continuation is
-    negatives_chat_answer_tokens: int = _at(3, 32)
-    # With chat positives, the template's header after this many generic system prompts
-    # (system_prompts.GENERIC_SYSTEM_PROMPTS), every position, and a few pool questions asked after
-    # each, with their answers: shared negatives, so that no slot opens on a system turn it was not
-    # built under (one that does changes every answer served with it)
-    negatives_chat_systems: int = _at(3, 32)
-    # With chat positives, this many generic questions (as negatives_questions makes them) asked
-    # through the template as well, after the default and the chat_systems prompts in turn, with
-    # their answers: a question-form request is addressed at the assistant header right after its
-    # question, where the corpus statements in chat form never reach
-    negatives_chat_questions: int = _at(3, 400)
-
-    # (4) refinement (paper Eq. 5): steps until every slot clears its margin against its hardest
-    # negatives, this many at most
-    refine_steps: int = _at(4, 3000)
-    refine_lr: float = _at(4, 0.01)
-    refine_margin: float = _at(4, 0.1)  # m_i as a fraction of |v_i|
-    # negatives per edit kept between re-minings; every step reads them all, so this sets most of
-    # a step's cost (32 -> 8: stage 4 at 0.58 of the CPU time, the same efficacy and locality,
-    # one rewording fewer on CounterFact 839 and on a zsRE slice; docs/results.md)
-    refine_hard_negatives: int = _at(4, 8)
-    refine_remine_every: int = _at(4, 250)
-    # Shared negatives kept per slot at its full mining: the re-minings after it score only these and
-    # the slot's own negatives, not the whole pool, which grows with the stream. A slot is mined in full
-    # again once its address has moved far enough that a state outside them could be among its hardest,
-    # so every re-mining is exact (0: every re-mining scores the whole pool).
-    refine_candidates: int = _at(4, 512)
-    # Steps run on the slots whose hinge is not yet met, re-selected this often (and at every
-    # re-mining); a slot that meets its margin stays where it is until then (0: every slot, every
-    # step). The cost of a step then follows the slots still violating, not the stream's size.
-    refine_active_every: int = _at(4, 25)
-    # Stop at a re-mining once the loss there is within this fraction below the loss at the
-    # previous one (the slots left violating are the inseparable ones; a rise, from newly mined
-    # negatives, goes on). 0: run every step unless every slot meets its margin.
-    refine_flat_stop: float = _at(4, 0.0)
-    # weight of the paraphrase positives' own hinges (they stay out of the worst-anchor term, so
-    # that a paraphrase the address cannot reach never makes its slot inseparable)
-    refine_soft_weight: float = _at(4, 1.0)
-    # A second run of the steps that also moves every address this fraction of refine_lr back
-    # towards its stage-2 (encoder) address each step, as decoupled weight decay does towards zero;
-    # each slot keeps that address where it still separates its anchors from every negative, and
-    # the free one elsewhere. The kept ones hold more of the encoder's geometry, which carries
-    # rewordings (0: off; docs/results.md, "Refinement held near the encoder")
-    refine_pull: float = _at(4, 0.0)
-    # With chat positives, each edit's chat forms get a slot of their own (stored after the requests'
-    # slots, with the edit's ids and ``"form": "chat"``): its anchors are the chat forms, the request's
-    # slot keeps the request and its prefixed forms, and each is refined, calibrated and written on its
-    # own. The chat slot is calibrated at its worst anchor whatever ``calibration_open_at`` says, so
-    # that wider gates for rewordings do not widen the gates that open at a chat template's assistant
-    # header, which every conversation passes (docs/results.md, "One slot for the request, one for its
-    # chat forms"). Doubles the slots.
-    chat_slots: bool = _at(4, False)
-
-    # (5) calibration
-    open_gate: float = _at(5, 0.9)  # gate of the worst positive of a separable slot
-    calibration_negative_slack: float = _at(5, 2.0)  # logits by which the worst negative sits below the dead zone
-    # where, as a fraction of the way from the worst negative to the worst anchor, a separable
-    # slot's gate reaches open_gate (1.0: at the worst anchor, as in the paper); lower values trade
-    # locality for generalization
-    calibration_open_at: float = _at(5, 1.0)
-    # a paraphrase positive sets where its gate reaches open_gate only if it clears the worst
-    # negative by at least this fraction of the gap between the worst negative and the worst
-    # request anchor (closer ones would need a gate steep enough to open on near-negatives)
-    calibration_soft_floor: float = _at(5, 0.5)
-    inseparable_temperature: float = _at(5, 8.0)  # initial alpha of inseparable slots (per unit |v|)
-    calibration_steps: int = _at(5, 200)
-
-    # (6) write targets
-    target_steps: int = _at(6, 25)
-    # further steps, up to this total, only for the edits of a batch whose target is not yet
-    # produced greedily (some target token not the argmax); the others keep their delta
-    target_max_steps: int = _at(6, 50)
-    target_lr: float = _at(6, 0.5)
-    # an edit also leaves its batch before target_steps once its target is produced and its mean
-    # target NLL is at most this (0: never before target_steps); 0.02 took stage 6 of the 1,301-edit
-    # CounterFact build from 252 to 183 s, and CounterFact and zsRE scored the same with it
-    # (docs/results.md, "On an AVX-512 CPU" and "Stage 6 stops an edit early, on zsRE too")
-    target_stop_nll: float = _at(6, 0.02)
-    # L2 weight on each write target: higher values keep writes smaller and locality higher at
-    # some cost in generalization; too high a value holds targets short of being produced
-    target_l2: float = _at(6, 1e-4)
-    target_rank: int = _at(6, 16)  # rank of each edit's down-projection change before it is evaluated on the anchor
-    # a step streams every upper-layer and vocabulary weight however many edits it holds (on the
-    # AVX-512 CPU about 60 ms plus 5 ms per edit), so a batch of 64 amortises that better than 32:
-    # stage 6 of the 1,301-edit CounterFact build took 0.88 of the time, the same writes to rounding
-    # (docs/results.md, "Stage 6 in batches of 64")
-    target_batch: int = _at(6, 64)
-    # with chat positives, fit each write target on the request and its chat forms together (mean of
-    # their NLLs; an edit counts as produced once all of them are). Off: the request alone, and the chat
-    # forms are left to stage 8, which starts from a write that does not produce them (KnowEdit recent:
-    # chat efficacy 0.712 off, 0.979 on; docs/results.md)
-    target_chat_forms: bool = _at(6, True)
-
-    # (7) joint ridge solve (paper Eq. 6)
-    ridge_lambda: float = _at(7, 1.0)
-    ridge_mu: float = _at(7, 1e-3)
-
-    # (8) NLL fine-tuning of the writes, V, tau, alpha frozen
-    finetune_steps: int = _at(8, 100)
-    finetune_lr: float = _at(8, 0.05)
-    finetune_batch: int = _at(8, 64)  # edits per step
-    # Every this many steps, all training sequences are scored with the current writes and the next
-    # steps draw only from those whose target is not yet produced greedily (stopping early when
-    # none is left), so that updates go where the target is still missed. 0 = draw from all sequences.
-    finetune_rescore_every: int = _at(8, 25)
+    positives_chat: bool = _at(3, False, (
+        "The request as the user turn of the model's chat template (its default system prompt), the "
+        "target as the start of the answer: required anchors along the target and training sequences of "
+        "the writes, so that an edit fires as a served chat model is asked."))
+    negatives_chat_pool: int = _at(3, 400, (
+        "Chat-form negatives: the requests and locality prompts of this many corpus records asked through "
+        "the template (every position after the shared header, and the unedited answer's first tokens), "
+        "shared by every edit and cached like the pool."))
+    negatives_chat_own: int = _at(3, 6, (
+        "This many of each edit's own negative prompts, one of each kind in turn, asked through the "
+        "template: negatives of its slot."))
+    chat_systems: tuple[str, ...] = _at(3, (), (
+        "More system prompts to build under (a deployment's own): each request is also asked after each "
+        "of them, and the chat pool's records are shared out among the default and these prompts."))
+    negatives_chat_answer_tokens: int = _at(3, 32, (
+        "Tokens of the unedited model's answers to chat-form negatives, as far as a served answer is read "
+        "(the chat evaluation reads 32)."))
+    negatives_chat_systems: int = _at(3, 32, (
+        "The template's header after this many generic system prompts, every position, with a few pool "
+        "questions and their answers: shared negatives, so that no slot opens on a system turn."))
+    negatives_chat_questions: int = _at(3, 400, (
+        "Generic questions asked through the template, with their answers: a question-form request is "
+        "addressed at the assistant header right after its question."))
+    chat_slots: bool = _at(4, False, (
+        "Each edit's chat forms get a slot of their own (after the requests' slots, with the edit's ids "
+        "and form 'chat'), refined, calibrated at its worst anchor and written on its own. Doubles the "
+        "slots (docs/results.md, 'One slot for the request, one for its chat forms')."))
+    target_chat_forms: bool = _at(6, True, (
+        "Fit each write target on the request and its chat forms together (KnowEdit recent: chat efficacy "
+        "0.712 off, 0.979 on); off: the request alone, the chat forms left to stage 8."))
 
     def __post_init__(self) -> None:
         # ``--set chat_systems=TEXT`` gives one prompt, a JSON list several; a tuple either way
@@ -256,6 +82,162 @@ class BuildConfig:
         self.chat_systems = tuple(self.chat_systems)
         if not all(isinstance(t, str) and t.strip() for t in self.chat_systems):
             raise ValueError("BuildConfig: chat_systems must be non-empty strings")
+        if self.chat_slots and not self.positives_chat:
+            raise ValueError("BuildConfig: chat_slots needs positives_chat (the chat forms are its anchors)")
+        if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):
+            raise ValueError(f"BuildConfig: negatives_chat_systems must be between 0 and "
+                             f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)")
+
+
+@dataclasses.dataclass
+class ExperimentalConfig:
+    """Measured experiments, off by default (``BuildConfig.experimental``); setting one warns.
+    Their measured effects are in docs/experiments.md."""
+
+    encoder_batch_negatives: bool = _at(1, False, (
+        "Each key also ranks its paraphrase above the locality inputs and same-subject prompts of every "
+        "other batch item, not only its own."))
+    encoder_threshold_weight: float = _at(1, 0.0, (
+        "Weight of a logistic loss of every score of a batch against one learned threshold. With "
+        "encoder_batch_negatives the mechanism study improves, but a 6-edit build with a short stage 1 "
+        "made 2 of its 6 edits instead of 5 or more."))
+    encoder_dropout: float = _at(1, 0.0, (
+        "Share of each training state's coordinates zeroed at every step before it is renormalized "
+        "(narrows the encoder's train/new gap)."))
+    encoder_members: int = _at(1, 1, (
+        "Encoders trained from different seeds whose addresses are averaged (still one address per edit)."))
+    anchor_predicted_targets: bool = _at(3, False, (
+        "Keep as anchors the target positions whose token the unedited model already predicts."))
+    negatives_paraphrases: int = _at(3, 0, (
+        "Rewordings of this many corpus requests (not about an edited subject) in the shared negatives, "
+        "so that a slot stays shut on other subjects' facts asked in new words."))
+    positives_same_relation: int = _at(3, 0, (
+        "Paraphrase positives: other templates of the edit's relation filled with its subject; soft "
+        "anchors in stages 4-5 and training sequences where their gate opens. Raises generalization at "
+        "a cost in locality."))
+    positives_prefix_pool: int = _at(3, 0, (
+        "Draw the context positives' statements from this many corpus statements picked once per build "
+        "(0: from all), so that stage 3 shares their prefixes."))
+    refine_flat_stop: float = _at(4, 0.0, (
+        "Stop refinement at a re-mining once the loss there is within this fraction below the loss at "
+        "the previous one (0: run until every slot meets its margin, refine_steps at most)."))
+    refine_pull: float = _at(4, 0.0, (
+        "A second refinement run that pulls every address this fraction of refine_lr back towards its "
+        "stage-2 address each step; each slot keeps the pulled address where it still separates."))
+    refine_soft_weight: float = _at(4, 1.0, (
+        "Weight of the paraphrase positives' own hinges (with positives_same_relation)."))
+    calibration_soft_floor: float = _at(5, 0.5, (
+        "A paraphrase positive sets where its gate opens only if it clears the worst negative by this "
+        "fraction of the gap to the worst request anchor (with positives_same_relation)."))
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.encoder_dropout < 1.0:
+            raise ValueError(f"BuildConfig: encoder_dropout must be in [0, 1), got {self.encoder_dropout}")
+        if self.encoder_members < 1:
+            raise ValueError(f"BuildConfig: encoder_members must be at least 1, got {self.encoder_members}")
+
+    def changed(self) -> list[str]:
+        """The fields set away from their defaults."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+
+
+#: The groups of :class:`BuildConfig`, by attribute name.
+GROUPS: dict[str, type] = {"chat": ChatConfig, "experimental": ExperimentalConfig}
+
+
+@dataclasses.dataclass
+class BuildConfig:
+    """Configuration of :func:`aloe_build.build_operator` (stages listed in :data:`STAGES`).
+
+    Fields of the groups may be given flat: ``BuildConfig(positives_chat=True)`` sets
+    ``config.chat.positives_chat``. :meth:`preset` gives the named settings of docs/options.md."""
+
+    layer: int | None = _at(0, None, "Edited decoder layer; None: the model family's default.")
+    seed: int = _at(0, 0, "Seed of every random choice of the build.")
+    batch_size: int = _at(0, 32, "Prompts per forward pass when collecting states.")
+    compute_dtype: str = _at(6, "float32", "'bfloat16' runs the write stages (6, 8) under autocast.")
+
+    encoder_corpus: str | None = _at(1, None, (
+        "CounterFact-style file the address encoder trains on (disjoint from the edited stream); None: "
+        "the bundled first 4,000 records of CounterFact train."))
+    encoder_records: int = _at(1, 4000, "Corpus records used (states are collected once per model and layer).")
+    encoder_dim: int = _at(1, 256, "p: rows of Q and K.")
+    encoder_steps: int = _at(1, 1500, "Training steps of the encoder.")
+    encoder_batch: int = _at(1, 64, "Records per relation-balanced minibatch.")
+    encoder_lr: float = _at(1, 2e-3, "Learning rate of the encoder.")
+    encoder_margin: float = _at(1, 0.2, "Locality and same-subject margin m, in score units.")
+    encoder_ortho: float = _at(1, 0.1, "Weight of the key orthogonality penalty.")
+    encoder_same_subject: int = _at(1, 2, "Same-subject other-relation prompts per corpus record.")
+    encoder_same_subject_keys: bool = _at(1, True, (
+        "The same-subject prompts also compete as keys: each paraphrase must pick its own request over "
+        "keys of its subject under other relations (the paper's 16-way test)."))
+    encoder_cache: str | None = _at(1, None, "Directory of cached encoders; None: $ALOE_CACHE/encoders.")
+
+    max_target_tokens: int = _at(3, 32, "Target tokens that get anchor states and are trained in stages 6-8.")
+    negative_pool_records: int = _at(3, 800, "Corpus records whose prompts (all positions) are shared negatives.")
+    negative_continuation_tokens: int = _at(3, 16, (
+        "Greedy continuations of this many tokens by the unedited model, appended to the pool's prompts "
+        "and to every request: negatives too, so that slots stay shut on the tokens a model writes."))
+    negatives_questions: int = _at(3, 800, (
+        "Generic questions about corpus subjects in the shared pool with their continuations, so that a "
+        "slot stays shut on unrelated questions and their answers."))
+    negatives_dtype: str = _at(3, "float32", (
+        "Precision of the passes that make each edit's negatives; 'bfloat16' is faster on CPUs with AMX or "
+        "AVX512-BF16 (and much slower without them)."))
+    negatives_same_subject: int = _at(3, 3, "Other-relation templates filled with the edit's subject.")
+    negatives_same_relation: int = _at(3, 3, "The edit's template filled with other corpus subjects.")
+    negatives_stream_templates: int = _at(3, 8, "Other requests' templates of the stream filled with the edit's subject.")
+    negatives_stream_subjects: int = _at(3, 8, "The edit's template filled with other subjects of the stream.")
+    negatives_word_swaps: int = _at(3, 8, "The edit's template with one relation word swapped for another.")
+    negatives_exclusions: int = _at(3, 3, (
+        "The request reworded to ask for a value other than its target ('The occupation of X, which is not "
+        "<target>, is'), negatives of its own slot."))
+    positives_prefixed: int = _at(3, 4, (
+        "Context positives: the request after this many true corpus statements, required anchors at the "
+        "last prompt token, so that an edit fires after unrelated text."))
+
+    refine_steps: int = _at(4, 3000, "Refinement runs until every slot clears its margin, this many steps at most.")
+    refine_lr: float = _at(4, 0.01, "Learning rate of the refinement.")
+    refine_margin: float = _at(4, 0.1, "m_i as a fraction of |v_i|.")
+    refine_hard_negatives: int = _at(4, 8, "Negatives per edit kept between re-minings (most of a step's cost).")
+    refine_remine_every: int = _at(4, 250, "Steps between re-minings of the hardest negatives.")
+    refine_candidates: int = _at(4, 512, (
+        "Shared negatives kept per slot at its full mining; a slot is mined in full again once its address "
+        "has moved far enough, so every re-mining is exact (0: every re-mining scores the whole pool)."))
+    refine_active_every: int = _at(4, 25, (
+        "Steps run on the slots whose hinge is not yet met, re-selected this often (0: every slot, every step)."))
+
+    open_gate: float = _at(5, 0.9, "Gate of the worst positive of a separable slot.")
+    calibration_negative_slack: float = _at(5, 2.0, "Logits by which the worst negative sits below the dead zone.")
+    calibration_open_at: float = _at(5, 1.0, (
+        "Where, from the worst negative (0) to the worst anchor (1), a separable slot's gate reaches "
+        "open_gate; lower values trade locality for generalization."))
+    inseparable_temperature: float = _at(5, 8.0, "Initial alpha of inseparable slots, per unit |v|.")
+    calibration_steps: int = _at(5, 200, "Steps of the inseparable slots' midpoint fit.")
+
+    target_steps: int = _at(6, 25, "Steps of each batch of write targets.")
+    target_max_steps: int = _at(6, 50, "Further steps, up to this total, for edits whose target is not yet produced.")
+    target_lr: float = _at(6, 0.5, "Learning rate of the write targets.")
+    target_stop_nll: float = _at(6, 0.02, (
+        "An edit leaves its batch early once its target is produced and its mean NLL is at most this (0: never)."))
+    target_l2: float = _at(6, 1e-4, "L2 weight on each write target: smaller writes, higher locality.")
+    target_rank: int = _at(6, 16, "Rank of each edit's down-projection change before it is evaluated on the anchor.")
+    target_batch: int = _at(6, 64, "Edits per batch of write targets.")
+
+    ridge_lambda: float = _at(7, 1.0, "Weight of the negatives' gates in the ridge solve (paper Eq. 6).")
+    ridge_mu: float = _at(7, 1e-3, "Ridge regulariser mu.")
+
+    finetune_steps: int = _at(8, 100, "NLL fine-tuning steps of the writes (V, tau, alpha frozen).")
+    finetune_lr: float = _at(8, 0.05, "Learning rate of the fine-tuning.")
+    finetune_batch: int = _at(8, 64, "Edits per fine-tuning step.")
+    finetune_rescore_every: int = _at(8, 25, (
+        "Every this many steps, draw only from the sequences whose target is not yet produced (0: from all)."))
+
+    chat: ChatConfig = dataclasses.field(default_factory=ChatConfig, metadata={"group": True})
+    experimental: ExperimentalConfig = dataclasses.field(default_factory=ExperimentalConfig,
+                                                         metadata={"group": True})
+
+    def __post_init__(self) -> None:
         from .forward import autocast_dtype  # the one list of pass precisions
 
         for name in ("compute_dtype", "negatives_dtype"):
@@ -263,37 +245,77 @@ class BuildConfig:
                 autocast_dtype(getattr(self, name))
             except ValueError as err:
                 raise ValueError(f"BuildConfig: {name}: {err}") from None
-        if not 0.0 <= self.encoder_dropout < 1.0:
-            raise ValueError(f"BuildConfig: encoder_dropout must be in [0, 1), got {self.encoder_dropout}")
-        if self.encoder_members < 1:
-            raise ValueError(f"BuildConfig: encoder_members must be at least 1, got {self.encoder_members}")
-        if self.chat_slots and not self.positives_chat:
-            raise ValueError("BuildConfig: chat_slots needs positives_chat (the chat forms are its anchors)")
-        if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):
-            raise ValueError(f"BuildConfig: negatives_chat_systems must be between 0 and "
-                             f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)")
+        changed = self.experimental.changed()
+        if changed:
+            warnings.warn(f"BuildConfig: experimental settings {changed} (off by default; measured effects in "
+                          "docs/experiments.md)", stacklevel=4)
+        unused = [f.name for f in dataclasses.fields(ChatConfig)
+                  if f.name != "positives_chat" and getattr(self.chat, f.name) != f.default]
+        if unused and not self.chat.positives_chat:
+            warnings.warn(f"BuildConfig: {unused} have no effect without positives_chat", stacklevel=4)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "BuildConfig":
+        """The named settings of :data:`aloe_build.presets.PRESETS`, with ``overrides`` on top."""
+        from .presets import preset_fields
+
+        return cls(**{**preset_fields(name), **overrides})
+
+    @classmethod
+    def field_specs(cls) -> list[dataclasses.Field]:
+        """Every setting's field, the groups' flattened in: name, default, ``stage`` and ``help``."""
+        out = []
+        for f in dataclasses.fields(cls):
+            out.extend(dataclasses.fields(GROUPS[f.name]) if f.metadata.get("group") else [f])
+        return out
 
     def fields_up_to(self, stage: int) -> dict[str, Any]:
         """The fields that stages 1..stage depend on (a checkpoint of that stage stays valid
         when only later fields change)."""
         values = self.to_dict()
-        return {f.name: values[f.name] for f in dataclasses.fields(self) if f.metadata["stage"] <= stage}
+        return {f.name: values[f.name] for f in self.field_specs() if f.metadata["stage"] <= stage}
 
     def fields_of(self, stage: int) -> dict[str, Any]:
         """The fields of one stage only (not those every stage depends on)."""
         values = self.to_dict()
-        return {f.name: values[f.name] for f in dataclasses.fields(self) if f.metadata["stage"] == stage}
+        return {f.name: values[f.name] for f in self.field_specs() if f.metadata["stage"] == stage}
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field by its own name, the groups' flattened in."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("group")}
+        for group in GROUPS:
+            out.update(dataclasses.asdict(getattr(self, group)))
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BuildConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
+        """From flat keys (as :meth:`to_dict` writes them); an unknown key is an error."""
+        unknown = set(data) - {f.name for f in cls.field_specs()}
         if unknown:
             raise ValueError(f"BuildConfig: unknown fields {sorted(unknown)}")
         return cls(**data)
+
+
+def _flat_init(cls: type) -> type:
+    """Let ``cls(...)`` take the groups' fields by their own names (``positives_chat=True``), on
+    top of a group object given whole; :func:`dataclasses.replace` goes through here too."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for group, group_cls in GROUPS.items():
+            names = {f.name for f in dataclasses.fields(group_cls)}
+            flat = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+            if flat:
+                base = kwargs.get(group)
+                kwargs[group] = dataclasses.replace(base, **flat) if base is not None else group_cls(**flat)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+_flat_init(BuildConfig)
 
 
 def parse_settings(items: list[str]) -> dict[str, Any]:
@@ -310,4 +332,3 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = text
     return out
-

@@ -38,6 +38,7 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.hf import _get, decoder_layers, locate_down_proj
 from aloe_kernels.reference import gates_from_scores
 
+from .config import BuildConfig
 from .forward import StopForward, capture_down_proj_input, in_precision, model_device
 from .shared_prefix import cache_layer_kv, left_padded_cache
 from .states import normalize_rows, run_captured
@@ -298,3 +299,11 @@ class EditedForward:
         missed = torch.zeros(len(rows), device=hidden.device).index_add(
             0, row, (logits.detach().argmax(-1) != target).float())
         return nll, (missed == 0).cpu()
+
+
+def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
+                   owners: Sequence[int], op: AloeOperator, cfg: BuildConfig) -> EditedForward:
+    """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then).
+    Sequence i < op.n is slot i's request; later ones are extra sequences of slot ``owners[i]``."""
+    return EditedForward(model, tokenizer, seqs, target_lens, op, cfg.batch_size, cfg.compute_dtype,
+                         desc="stages 6-8: gates and layer outputs", owners=owners)

@@ -25,33 +25,28 @@ from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.operator import DEFAULT_EPS, DEFAULT_GATE_EPS
 from aloe_kernels.reference import gates_from_scores
 
-from . import addresses as addr
-from . import calibration
 from .build_state import BuildState
 from .chat_slots import chat_entries, chat_slot_owner, open_at_of
 from .checkpoints import StageCheckpoints, run_key
 from .config import BuildConfig
 from .corpus import Corpus, load_corpus
 from .data import EditRequest
-from .edited_forward import EditedForward
-from .encoder import AddressEncoder, cache_key
+from .edited_forward import EditedForward, edited_forward
 from .forward import model_device
-from .mechanism import build_encoder
+from .mechanism_protocol import build_encoder
 from .models import cache_root, default_layer, model_name
 from .open_gates import open_gates
-from .rollouts import TokenSequences, rollouts, token_sequences
+from .slot_sets import NegativeSet
 from .slots import Slot, make_slots, same_prompt_matrix
-from .states import last_token_states, max_context
+from .stages import s4_refine, s5_calibrate
+from .stages.s1_encoder import AddressEncoder, cache_key
+from .stages.s2_init import initial_addresses
+from .stages.s3_rollouts import TokenSequences, rollouts, token_sequences
+from .stages.s6_targets import write_targets
+from .stages.s7_ridge import NegativeGateTally, gates_of, ridge_writes
+from .stages.s8_finetune import finetune_writes, produced_rows
+from .states import max_context
 from .tokens import encode_continuation
-from .writes import (
-    NegativeGateTally,
-    edited_forward,
-    finetune_writes,
-    gates_of,
-    produced_rows,
-    ridge_writes,
-    write_targets,
-)
 
 
 class BuildError(RuntimeError):
@@ -185,7 +180,7 @@ class _Build:
         self.report = BuildReport()
         self.slots: list[Slot] = make_slots(requests)
         self.n = len(self.slots)
-        chat = f" and {self.n} chat slots" if cfg.chat_slots else ""
+        chat = f" and {self.n} chat slots" if cfg.chat.chat_slots else ""
         self.say(f"building {self.n} slots{chat} for {len(requests)} edits at {self.site.path}")
         self.rng = random.Random(cfg.seed)
 
@@ -223,17 +218,19 @@ class _Build:
         self.say(f"1_encoder: {'reused' if reused else 'trained'}; {_encoder_summary(enc_metrics)}")
         seqs = token_sequences(tokenizer, self.slots, corpus, cfg)
         # (2) initial addresses from the request states
-        V0 = self.stage("2_init", lambda: ({"V0": self.initial_addresses(enc)}, {}))["V0"]
+        prompts = [s.prompt for s in self.slots]
+        V0 = self.stage("2_init", lambda: ({"V0": initial_addresses(model, tokenizer, prompts, self.layer, enc,
+                                                                    cfg.batch_size)}, {}))["V0"]
         # (3) rollouts: anchors H+ and negatives H-
         pool_dir = negatives_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
         roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, pool_dir,
                                                          self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
         soft = seqs.seq_soft[roll["anchor_seq"]]
-        if cfg.chat_slots:  # slot n + i takes the chat forms of slot i, from slot i's initial address
+        if cfg.chat.chat_slots:  # slot n + i takes the chat forms of slot i, from slot i's initial address
             roll = {**roll, "anchor_owner": self.sequence_slots(seqs)[roll["anchor_seq"]]}
             V0 = torch.cat([V0, V0])
-        negatives = negative_set(roll, self.base.state.anchors if self.base else None, self.n if cfg.chat_slots else 0)
-        same_prompt = same_prompt_matrix(self.slots * (2 if cfg.chat_slots else 1))
+        negatives = negative_set(roll, self.base.state.anchors if self.base else None, self.n if cfg.chat.chat_slots else 0)
+        same_prompt = same_prompt_matrix(self.slots * (2 if cfg.chat.chat_slots else 1))
         # (4) refinement
         V = self.stage("4_refine", lambda: self.refine(V0, roll, negatives, same_prompt, soft))["V"]
         # (5) calibration
@@ -284,7 +281,7 @@ class _Build:
 
         def run() -> tuple[dict[str, torch.Tensor], dict]:
             dev = self.device
-            tau, alpha, s_neg, changed = calibration.recalibrate(
+            tau, alpha, s_neg, changed = s5_calibrate.recalibrate(
                 old.addresses.float().to(dev), old.thresholds.float().to(dev), old.temperatures.float().to(dev),
                 st.worst_positive.to(dev), st.worst_negative.to(dev),
                 # what a one-shot build makes a negative of every slot: the new anchors and continuations
@@ -300,11 +297,6 @@ class _Build:
                           temperatures=t["alpha"].to(old.dtype), writes=old.writes, edits=old.edits, **old._header())
         return op, BuildState(st.anchors, st.anchor_owner, st.worst_positive, t["worst_negative"], st.config)
 
-    def initial_addresses(self, enc: AddressEncoder) -> torch.Tensor:
-        h_req = last_token_states(self.model, self.tokenizer, [s.prompt for s in self.slots], self.layer,
-                                  self.cfg.batch_size, "stage 2: request states")
-        return enc.addresses(h_req).contiguous()
-
     def on_device(self, V, roll, negatives, same_prompt, soft) -> tuple:
         """The inputs of stages 4-5 on the model's device (a GPU build refines there too)."""
         dev = self.device
@@ -314,7 +306,7 @@ class _Build:
     def refine(self, V0, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V0, anchors, owner, neg, same, soft = self.on_device(V0, roll, negatives, same_prompt, soft)
         stats: dict = {}
-        V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"),
+        V, losses = s4_refine.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"),
                                           stats)
         info = {**stats, "steps": len(losses), "loss_first": losses[0] if losses else None,
                 "loss_last": losses[-1] if losses else None,
@@ -325,7 +317,7 @@ class _Build:
 
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V, anchors, owner, neg, same, soft = self.on_device(V, roll, negatives, same_prompt, soft)
-        cal = calibration.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft,
+        cal = s5_calibrate.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft,
                              open_at_of(self.entries(), self.cfg))
         info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum()),
                 "inseparable_slots": (~cal.separable).nonzero().squeeze(1).tolist()}
@@ -337,12 +329,12 @@ class _Build:
         """The operator's metadata: one entry per request slot, then with chat slots one per chat slot."""
         edits = [{"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject}
                  for s in self.slots]
-        return edits + chat_entries(edits) if self.cfg.chat_slots else edits
+        return edits + chat_entries(edits) if self.cfg.chat.chat_slots else edits
 
     def sequence_slots(self, seqs: TokenSequences) -> torch.Tensor:
         """The slot of every anchor sequence: its edit's request slot, and with chat slots a chat form's
         chat slot n + i."""
-        return chat_slot_owner(seqs.seq_owner, seqs.seq_chat, self.n) if self.cfg.chat_slots else seqs.seq_owner
+        return chat_slot_owner(seqs.seq_owner, seqs.seq_chat, self.n) if self.cfg.chat.chat_slots else seqs.seq_owner
 
     def operator(self, V: torch.Tensor, cal: dict[str, torch.Tensor], writes: torch.Tensor) -> AloeOperator:
         return AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"], writes=writes,
@@ -373,7 +365,7 @@ class _Build:
         # what each slot's write target is fitted on: its request (row i), and with target_chat_forms its chat
         # forms; a chat slot's, on its chat forms
         rows_of = [[i] for i in range(n)] + [[] for _ in range(gated.n - n)]
-        if cfg.target_chat_forms or cfg.chat_slots:
+        if cfg.chat.target_chat_forms or cfg.chat.chat_slots:
             chat = set(seqs.trained)
             for k, (j, owner) in enumerate(zip(train_seqs, train_owner)):
                 if j in chat:
@@ -424,7 +416,7 @@ def problem_lines(problems: dict[str, list[dict[str, Any]]], show: int = 5) -> l
 
 
 def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None, chat_slots: int = 0
-                 ) -> addr.NegativeSet:
+                 ) -> NegativeSet:
     """Anchors and request continuations are negatives of every slot but their own (and those of
     the same prompt, see NegativeSet.top); the corpus pool, and the anchors of the operator an
     append builds on, of every slot. With ``chat_slots`` (the n request slots of a build with chat
@@ -433,7 +425,7 @@ def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | Non
     specific, owner = roll["specific"], roll["specific_owner"]
     if chat_slots:
         specific, owner = torch.cat([specific, specific]), torch.cat([owner, owner + chat_slots])
-    return addr.NegativeSet(
+    return NegativeSet(
         shared=torch.cat([everyone, roll["anchors"], roll["continuations"]]),
         shared_owner=torch.cat([torch.full((everyone.shape[0],), -1, dtype=torch.long), roll["anchor_owner"],
                                 roll["continuation_owner"]]),

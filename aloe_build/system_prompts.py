@@ -4,7 +4,7 @@ A served chat model sees a system turn before every question, and the tokens tha
 last words, the end of the turn, the opening of the user turn) are the same in every conversation
 served with it. A slot that opens there changes every answer. The build cannot know a deployment's
 own system prompt, so it asks its chat-form negatives after these varied ones (see
-``BuildConfig.negatives_chat_systems``), and slots learn to stay shut on system turns in general.
+``BuildConfig.chat.negatives_chat_systems``), and slots learn to stay shut on system turns in general.
 
 The evaluation's own system prompts (``aloe_eval.chat``) are not among them, so that the chat
 evaluation measures how this carries to a system prompt the build never saw.

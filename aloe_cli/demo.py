@@ -19,15 +19,6 @@ import torch
 from .options import add_device_args
 
 DEMO_EDITS = Path(__file__).resolve().parents[1] / "examples" / "demo_edits.jsonl"
-# A lighter encoder than the default so that the first run (which trains and caches the
-# encoder for the model's layer) takes minutes on two CPU cores.
-# Chat positives: the demo also asks each request through the chat template; chat slots give those
-# forms a slot of their own, calibrated at its worst anchor, so that the request's slot does not open
-# on other questions asked in chat (controls unchanged in chat: 28 of 30 with one slot, 29 with two).
-DEMO_CONFIG_FIELDS = dict(encoder_records=1500, encoder_steps=600, finetune_steps=50, positives_chat=True,
-                          chat_slots=True)
-
-
 def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 6, batch_size: int = 16) -> list[str]:
     """Greedy continuations of raw-text prompts (left padding)."""
     out: list[str] = []
@@ -59,7 +50,7 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
     from aloe_eval.in_context import in_context
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
-    config = BuildConfig(**DEMO_CONFIG_FIELDS)
+    config = BuildConfig.preset("demo")  # the settings and their reasons: aloe_build/presets.py
 
     requests = load_edits(edits_path, limit=limit)
     print(f"loading {model_name} ...")

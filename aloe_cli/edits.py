@@ -13,6 +13,7 @@ def _config(args: argparse.Namespace):
     """The BuildConfig of ``--config``/``--set`` over the operator's own, or None to keep the operator's."""
     from aloe_build import BuildConfig
     from aloe_build.build_state import BuildState
+    from aloe_build.config import parse_settings
     from aloe_kernels import AloeOperator
 
     if not args.config and not args.set:
@@ -21,9 +22,7 @@ def _config(args: argparse.Namespace):
     fields = dict(BuildState.load(args.operator, op).config)
     if args.config:
         fields.update(json.loads(Path(args.config).read_text()))
-    for item in args.set or []:
-        key, _, value = item.partition("=")
-        fields[key] = json.loads(value) if value[:1] in "0123456789-[{tfn\"" else value
+    fields.update(parse_settings(args.set or []))
     return BuildConfig.from_dict(fields)
 
 

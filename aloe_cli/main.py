@@ -66,14 +66,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks import bench_gate
-
-    return int(bench_gate.main(args.rest) or 0)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from .options import add_device_args
+    from .options import add_config_args, add_device_args
 
     parser = argparse.ArgumentParser(prog="aloe", description="Edit facts in a language model with ALOE operators.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=int, default=None, help="edited decoder layer (default: the model family's)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N edits")
     p.add_argument("--skip-invalid", action="store_true", help="skip records with an empty target instead of failing")
-    p.add_argument("--config", help="JSON file of BuildConfig fields")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field")
+    add_config_args(p)
     add_device_args(p)
     p.set_defaults(func=_cmd_build)
 
@@ -107,10 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_cli(sub)
     add_mechanism_cli(sub)
     add_vllm_cli(sub)
-
-    p = sub.add_parser("bench", help="gate-throughput microbenchmark (arguments go to benchmarks/bench_gate.py)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd_bench)
     return parser
 
 

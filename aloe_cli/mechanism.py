@@ -32,7 +32,7 @@ def _cmd_mechanism(args: argparse.Namespace) -> int:
 
 
 def add_mechanism_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from aloe_build.mechanism import PROTOCOLS
+    from aloe_build.mechanism_protocol import PROTOCOLS
 
     from .options import add_device_args
 

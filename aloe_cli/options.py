@@ -26,12 +26,29 @@ def load_model_for(args: argparse.Namespace, name: str | None = None) -> tuple[A
     return model, tokenizer
 
 
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """``--preset``, ``--config`` and ``--set``, with every setting listed in the command's ``--help``."""
+    from aloe_build.presets import PRESETS
+
+    from .settings_doc import settings_text
+
+    p.add_argument("--preset", default="default", choices=list(PRESETS),
+                   help="named settings (docs/options.md); --config and --set apply on top")
+    p.add_argument("--config", help="JSON file of BuildConfig fields")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field")
+    p.epilog = settings_text()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """BuildConfig fields from ``--config`` (a JSON file, where the command has it) and ``--set KEY=VALUE``."""
+    """BuildConfig fields of ``--preset`` (where the command has it), then ``--config`` (a JSON file)
+    and ``--set KEY=VALUE`` over them."""
     import json
     from pathlib import Path
 
     from aloe_build.config import parse_settings
+    from aloe_build.presets import preset_fields
 
+    preset = preset_fields(args.preset) if getattr(args, "preset", None) else {}
     overrides = json.loads(Path(args.config).read_text()) if getattr(args, "config", None) else {}
-    return {**overrides, **parse_settings(args.set or [])}
+    return {**preset, **overrides, **parse_settings(args.set or [])}

@@ -121,7 +121,7 @@ class AloeEditor(Editor):
         return self._by_text.get((request.prompt.strip(), request.target_new.strip()))
 
     def chat_slot_of(self, request: Any, index: int) -> int | None:
-        """The edit's chat slot where the operator has one (``BuildConfig.chat_slots``), else its slot."""
+        """The edit's chat slot where the operator has one (``BuildConfig.chat.chat_slots``), else its slot."""
         slot = self.slot_of(request, index)
         if slot is None:
             return None

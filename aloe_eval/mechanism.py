@@ -1,5 +1,5 @@
 """The address-mechanism study: the stage-1 objective on held-out items, over seeds, against the
-equal-dimension raw-activation control (protocols and metrics: :mod:`aloe_build.mechanism`).
+equal-dimension raw-activation control (protocols and metrics: :mod:`aloe_build.mechanism_protocol`).
 
 Partitions are fixed by the config's seed; each seed trains a fresh encoder on the training part.
 """
@@ -18,8 +18,8 @@ from aloe_build.checkpoints import file_sha256, save_tensors_atomically
 from aloe_build.config import BuildConfig
 from aloe_build.corpus import CORPUS_VERSION, Corpus
 from aloe_build.data import load_edits
-from aloe_build.encoder import CorpusStates, corpus_states
-from aloe_build.mechanism import FPR_BUDGET, PROTOCOLS, Partition, dev_key_states, partition, protocol_metrics
+from aloe_build.mechanism_protocol import FPR_BUDGET, PROTOCOLS, Partition, dev_key_states, partition, protocol_metrics
+from aloe_build.stages.s1_encoder import CorpusStates, corpus_states
 from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 

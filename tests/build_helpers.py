@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aloe_build.encoder import CorpusStates
+from aloe_build.stages.s1_encoder import CorpusStates
 
 
 def unit(x: torch.Tensor) -> torch.Tensor:

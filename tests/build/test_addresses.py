@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-import aloe_build.writes as writes_module
-from aloe_build import addresses as addr
-from aloe_build import calibration
+from aloe_build import slot_sets
 from aloe_build.config import BuildConfig
-from aloe_build.encoder import CorpusStates, train_encoder
-from aloe_build.writes import NegativeGateTally, gates_of, ridge_writes
+from aloe_build.stages import s4_refine as addr
+from aloe_build.stages import s5_calibrate as calibration
+from aloe_build.stages.s1_encoder import CorpusStates, train_encoder
+from aloe_build.stages.s7_ridge import NegativeGateTally, gates_of, ridge_writes
 from aloe_kernels import AloeOperator
 
 
@@ -26,7 +26,7 @@ def _synthetic(n=6, d=24, anchors_per=3, negs=200, seed=0):
     anchors = _unit(centers.repeat_interleave(anchors_per, 0) + 0.15 * torch.randn(n * anchors_per, d, generator=g))
     owner = torch.arange(n).repeat_interleave(anchors_per)
     pool = _unit(torch.randn(negs, d, generator=g))
-    neg = addr.NegativeSet(
+    neg = slot_sets.NegativeSet(
         shared=torch.cat([pool, anchors]),
         shared_owner=torch.cat([torch.full((negs,), -1), owner]),
         specific=_unit(centers + 0.9 * torch.randn(n, d, generator=g)),
@@ -48,7 +48,7 @@ def test_negative_top_matches_brute_force():
     specific_owner = torch.tensor([0, 2, 4, 1] * 5 + [2, 0, 4])[torch.randperm(23, generator=g)]  # slot 3 has none
     same = torch.eye(n, dtype=torch.bool)
     same[0, 1] = same[1, 0] = True
-    negatives = addr.NegativeSet(shared, shared_owner, specific, specific_owner)
+    negatives = slot_sets.NegativeSet(shared, shared_owner, specific, specific_owner)
     got_s, got_h = negatives.top(V, same, k, chunk=2)
     # read in pieces of 7 states (as from another device): the same hardest negatives
     streamed_s, streamed_h = negatives.top(V, same, k, chunk=2, stream_rows=7)
@@ -74,7 +74,7 @@ def test_negative_top_from_candidates_matches_a_brute_force_over_them():
     specific = _unit(torch.randn(19, d, generator=g, dtype=torch.float64))
     specific_owner = torch.tensor([0, 1, 2, 4] * 4 + [0, 1, 4])[torch.randperm(19, generator=g)]  # 3, 5: none
     same = torch.eye(n, dtype=torch.bool)
-    negatives = addr.NegativeSet(shared, shared_owner, specific, specific_owner)
+    negatives = slot_sets.NegativeSet(shared, shared_owner, specific, specific_owner)
     cand_s, cand = negatives.shared_candidates(V, same, 7, chunk=4, stream_rows=9)
     torch.testing.assert_close(cand_s, torch.stack([(shared[c] @ v) for c, v in zip(cand.clamp_min(0), V)]))
     W = V + 0.5 * torch.randn(n, d, generator=g, dtype=torch.float64)  # the addresses have moved since
@@ -93,7 +93,7 @@ def test_negative_top_from_candidates_matches_a_brute_force_over_them():
     via_s, via_h = negatives.top(W, same, k, candidates=every)
     torch.testing.assert_close(via_s, full_s)
     torch.testing.assert_close(via_h, full_h)
-    few = addr.NegativeSet(shared[:0], shared_owner[:0], specific, specific_owner)
+    few = slot_sets.NegativeSet(shared[:0], shared_owner[:0], specific, specific_owner)
     few_s, few_h = few.top(W, same, k)
     assert (few_s[3] == -math.inf).all() and (few_h[3] == 0).all()
     mine = specific[specific_owner == 2]  # four states
@@ -109,7 +109,7 @@ def test_min_anchor_scores_over_many_pieces_match_a_brute_force():
     V = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
     anchors = torch.randn(m, d, generator=g, dtype=torch.float64)
     owner = torch.randint(0, n - 1, (m,), generator=g)  # slot n-1 has no anchors
-    got = addr.min_anchor_scores(V, anchors, owner)
+    got = slot_sets.min_anchor_scores(V, anchors, owner)
     want = torch.stack([(anchors[owner == i] @ V[i].detach()).min() if (owner == i).any()
                         else torch.tensor(math.inf, dtype=torch.float64) for i in range(n)])
     torch.testing.assert_close(got.detach(), want)
@@ -131,7 +131,7 @@ def test_slot_anchors_of_a_subset_and_ties():
     anchors[30] = anchors[12]  # a duplicate state: the same score at one slot
     rows = torch.tensor([3, 12, 30, 5, 7, 8, 9, 20, 21, 1])
     owner = torch.tensor([0, 2, 2, 4, 4, 4, 4, 0, 1, 0])  # slots 3 and 5 have none
-    got = addr.SlotAnchors(anchors, owner, n, rows).min_scores(V)
+    got = slot_sets.SlotAnchors(anchors, owner, n, rows).min_scores(V)
     sub = anchors[rows]
     want = [(sub[owner == i] @ V[i].detach()).min() if (owner == i).any() else math.inf for i in range(n)]
     torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64))
@@ -328,7 +328,7 @@ def test_soft_anchors_turn_addresses_but_never_make_a_slot_inseparable():
     assert g_req.min() >= 0.9 - 1e-4
     assert gates_of(unreachable, op)[0, 2] == 0.0
     # the 0.9 point is the worst of the request anchors and the soft anchors that clear the floor
-    s_req = addr.min_anchor_scores(V, anchors, owner)
+    s_req = slot_sets.min_anchor_scores(V, anchors, owner)
     s_far = (V * far).sum(1)
     floor = cal.worst_negative + BuildConfig().calibration_soft_floor * (s_req - cal.worst_negative)
     torch.testing.assert_close(cal.worst_positive, torch.where(s_far >= floor, torch.minimum(s_req, s_far), s_req))
@@ -359,7 +359,7 @@ def test_inseparable_slot_opens_on_its_anchors_past_a_few_negatives():
     top = _unit(V[0])  # scores |v_0| at slot 0, above any of its anchors
     pushed = torch.cat([top[None], _unit(top + 0.05 * _unit(anchors[0]))[None]])
     drowned = _unit(V[1])[None].repeat(8, 1)  # eight copies of slot 1's best direction
-    neg = addr.NegativeSet(shared=torch.cat([neg.shared, pushed, drowned]),
+    neg = slot_sets.NegativeSet(shared=torch.cat([neg.shared, pushed, drowned]),
                            shared_owner=torch.cat([neg.shared_owner, torch.full((10,), -1)]),
                            specific=neg.specific, specific_owner=neg.specific_owner)
     neg_owner_1 = torch.cat([torch.zeros(neg.shared.shape[0] - 8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)])
@@ -425,7 +425,7 @@ def test_refinement_scores_match_min_and_max_with_their_gradients():
     hard = torch.randn(n, k, d, generator=g)
     weights = torch.randn(n, generator=g)
     Vg = V.clone().requires_grad_(True)
-    pos = addr.min_anchor_scores(Vg, anchors, owner)
+    pos = slot_sets.min_anchor_scores(Vg, anchors, owner)
     neg = addr._hardest_negative(Vg, hard)
     assert pos[3] == math.inf
     (torch.where(torch.isfinite(pos), pos, 0.0) * weights + neg * weights).sum().backward()
@@ -448,7 +448,7 @@ def test_recalibrate_shuts_what_a_slot_separates_and_keeps_its_own_fact_open():
     slot's threshold by the closed form (its worst positive still at open_gate, the state in the
     dead zone); one above its worst positive leaves the slot unchanged; an already inseparable slot
     is shut on the new state."""
-    from aloe_build.writes import gates_of
+    from aloe_build.stages.s7_ridge import gates_of
 
     cfg, eps = BuildConfig(), 1e-3
     V = torch.eye(3, 5) * 2.0
@@ -495,9 +495,10 @@ def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
     assert tally.max_gate == pytest.approx(float(Gn.max()))
     # anchors and negatives gated a few rows at a time (as at 10,000 edits): the same solve
     import aloe_build.open_gates as og
+    from aloe_build.stages import s7_ridge
 
     whole = og.open_gates
-    monkeypatch.setattr(writes_module, "open_gates", lambda parts, op, chunk=None: whole(parts, op, 4))
+    monkeypatch.setattr(s7_ridge, "open_gates", lambda parts, op, chunk=None: whole(parts, op, 4))
     torch.testing.assert_close(ridge_writes(deltas, anchors, owner, negatives, op, cfg).double(), want,
                                rtol=1e-5, atol=1e-6)
 

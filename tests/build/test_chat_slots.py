@@ -1,4 +1,4 @@
-"""Chat slots (``BuildConfig.chat_slots``): each edit's chat forms in a slot of their own."""
+"""Chat slots (``BuildConfig.chat.chat_slots``): each edit's chat forms in a slot of their own."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from test_addresses import _synthetic
 from test_pipeline import _edits, _rows_contain, _tiny_cfg, recording_write_targets
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
-from aloe_build import addresses as addr
-from aloe_build import calibration
 from aloe_build.append import append_edits, load_with_state, plan_append, remove_edits, update_edits
 from aloe_build.config import BuildConfig
 from aloe_build.data import EditRequest
 from aloe_build.pipeline import build_operator, negative_set
+from aloe_build.stages import s4_refine as addr
+from aloe_build.stages import s5_calibrate as calibration
 from aloe_build.states import collect_states
 from aloe_build.tokens import chat_answer, chat_prompt, encode_continuation
 from aloe_eval.editors import AloeEditor
@@ -32,7 +32,7 @@ def _gate(score: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor) -> torch.
 def test_chat_slots_need_chat_positives():
     with pytest.raises(ValueError, match="chat_slots needs positives_chat"):
         BuildConfig(chat_slots=True)
-    assert BuildConfig(chat_slots=True, positives_chat=True).chat_slots
+    assert BuildConfig(chat_slots=True, positives_chat=True).chat.chat_slots
 
 
 def test_calibration_takes_each_slots_own_open_at():

@@ -12,8 +12,8 @@ from tiny_models import tiny_model, tiny_tokenizer
 import aloe_build.chunked as chunked
 from aloe_build.checkpoints import PartStore
 from aloe_build.corpus import load_corpus
-from aloe_build.rollouts import rollouts, token_sequences
 from aloe_build.slots import make_slots
+from aloe_build.stages.s3_rollouts import rollouts, token_sequences
 from aloe_build.states import collect_states
 
 
@@ -144,7 +144,7 @@ def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_pat
 def test_chunked_tokens_and_states_resume_with_the_same_tokens_and_states(tmp_path, monkeypatch):
     """Continuations with their states in saved chunks: a lost chunk is computed again, the others
     are read back, and tokens and states equal one uninterrupted call's."""
-    from aloe_build.rollouts import continued
+    from aloe_build.stages.s3_rollouts import continued
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     g = torch.Generator().manual_seed(2)

@@ -9,7 +9,7 @@ import torch
 from build_helpers import random_corpus_states, unit
 
 from aloe_build.config import BuildConfig
-from aloe_build.encoder import CorpusStates, batch_loss, dropped_batch, train_encoder
+from aloe_build.stages.s1_encoder import CorpusStates, batch_loss, dropped_batch, train_encoder
 
 
 def _log_softmax_at(logits: list[float], i: int) -> float:
@@ -42,7 +42,7 @@ def _reference(cs: CorpusStates, b: list[int], Q, K, c: float, threshold: float,
         q_logits = [score(cs.paraphrase[i], keys[k]) for k in range(B)] + key_ss[n]
         rank_q -= _log_softmax_at(q_logits, n) / B
         k_logits = [score(cs.paraphrase[j], keys[n]) for j in b]
-        if cfg.encoder_batch_negatives:
+        if cfg.experimental.encoder_batch_negatives:
             k_logits += loc[n] + [v for row in ss[n] for v in row]
         else:
             k_logits += [loc[n][n]] + ss[n][n]
@@ -55,10 +55,10 @@ def _reference(cs: CorpusStates, b: list[int], Q, K, c: float, threshold: float,
         negatives += own_ss
     ortho = sum((float(keys[x] @ keys[y]) - (x == y)) ** 2 for x in range(B) for y in range(B)) / (B * (B - 1))
     loss = rank_q + rank_k + margin_loc + margin_ss + cfg.encoder_ortho * ortho
-    if cfg.encoder_threshold_weight:
+    if cfg.experimental.encoder_threshold_weight:
         def softplus(v):
             return math.log1p(math.exp(v))
-        loss += cfg.encoder_threshold_weight * (
+        loss += cfg.experimental.encoder_threshold_weight * (
             sum(softplus(threshold - p) for p in pos) / B + sum(softplus(v - threshold) for v in negatives) / len(negatives))
     return loss
 

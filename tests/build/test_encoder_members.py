@@ -10,7 +10,7 @@ from build_helpers import random_corpus_states, unit
 from safetensors.torch import save_file
 
 from aloe_build.config import BuildConfig
-from aloe_build.encoder import MEMBER_SEED_STRIDE, AddressEncoder, CorpusStates, train_encoder
+from aloe_build.stages.s1_encoder import MEMBER_SEED_STRIDE, AddressEncoder, CorpusStates, train_encoder
 
 
 def _states(seed: int, N: int = 21, S: int = 2, d: int = 13) -> CorpusStates:

@@ -10,8 +10,7 @@ import torch
 from aloe_build.config import BuildConfig
 from aloe_build.corpus import Corpus
 from aloe_build.data import EditRequest
-from aloe_build.encoder import CorpusStates, train_encoder
-from aloe_build.mechanism import (
+from aloe_build.mechanism_protocol import (
     SAME_SUBJECT_KEYS,
     auc,
     budget_threshold,
@@ -22,6 +21,7 @@ from aloe_build.mechanism import (
     score_items,
     transferred_threshold,
 )
+from aloe_build.stages.s1_encoder import CorpusStates, train_encoder
 
 _TEMPLATES = [  # three relations, two wordings each (the rephrase links them into one group)
     ("{} was born in", "{} came into the world in"),

@@ -11,7 +11,7 @@ from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 from aloe_build.config import BuildConfig
 from aloe_build.data import EditRequest, save_edits_jsonl
 from aloe_build.pipeline import BuildError, build_operator
-from aloe_build.writes import gates_of
+from aloe_build.stages.s7_ridge import gates_of
 from aloe_kernels import AloeOperator, PatchError, aloe_gates
 
 # ---------------------------------------------------------------- tiny model, whole pipeline
@@ -133,7 +133,7 @@ def test_a_stage_resumed_inside_says_so_in_the_report(tmp_path, monkeypatch):
     seconds cover the rest only); a build run through counts none."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
     cfg = _tiny_cfg(tmp_path, target_batch=1)
-    import aloe_build.writes as writes
+    import aloe_build.stages.s6_targets as writes
 
     whole, calls = writes._target_batch, []
 
@@ -166,7 +166,7 @@ def test_bad_input(tmp_path, monkeypatch):
         build_operator(model, tok, [long], cfg, log=None)
     with pytest.raises(PatchError, match="no decoder layer"):
         build_operator(torch.nn.Linear(2, 2), tok, _edits(), cfg, log=None)
-    import aloe_build.addresses as A
+    import aloe_build.stages.s4_refine as A
 
     def nan_refine(V0, *a, **k):
         raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
@@ -391,8 +391,8 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
 
     from aloe_build import rollouts
     from aloe_build.corpus import load_corpus
-    from aloe_build.rollouts import edit_negative_sequences, token_sequences
     from aloe_build.slots import make_slots
+    from aloe_build.stages.s3_rollouts import edit_negative_sequences, token_sequences
     from aloe_build.states import collect_states
     from aloe_build.tokens import chat_header_length, chat_prompt, encode_prompt
 
@@ -548,7 +548,7 @@ def test_negatives_chat_systems_cannot_exceed_the_generic_prompts():
 
 
 def test_in_turn_takes_one_of_each_kind_then_the_next():
-    from aloe_build.rollouts import in_turn
+    from aloe_build.stages.s3_rollouts import in_turn
 
     kinds = [["a1", "a2", "a3"], [], ["c1"], ["d1", "d2"]]
     assert in_turn(kinds, 3) == ["a1", "c1", "d1"]
@@ -633,7 +633,7 @@ def _cut(tokens: list[int], stops: set[int]) -> list[int]:
 def test_continuations_stop_before_end_of_sequence():
     """A continuation is cut before the first EOS or end-of-turn token: a server stops there."""
     from aloe_build.forward import greedy_generate
-    from aloe_build.rollouts import continued as _continued
+    from aloe_build.stages.s3_rollouts import continued as _continued
     from aloe_build.states import collect_states
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -690,7 +690,7 @@ def test_anchors_leave_out_target_tokens_the_model_predicts():
     their states are those of a float64 forward at those positions."""
     import copy
 
-    from aloe_build.rollouts import along_target_anchors
+    from aloe_build.stages.s3_rollouts import along_target_anchors
     from aloe_build.tokens import encode_prompt
     from aloe_kernels.hf import locate_down_proj
 
@@ -727,7 +727,7 @@ def test_anchors_leave_out_target_tokens_the_model_predicts():
 def test_encoder_cache_key_follows_the_corpus_content_not_its_path(tmp_path):
     """The same corpus in another directory (another checkout) shares the cache; a corpus file
     rewritten in place, even with the same size, does not."""
-    from aloe_build.encoder import cache_key
+    from aloe_build.stages.s1_encoder import cache_key
 
     cfg = _tiny_cfg(tmp_path)
     here = _tiny_corpus(tmp_path / "a" / "corpus.jsonl")
@@ -815,7 +815,7 @@ def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
                     negatives_chat_answer_tokens=3, negatives_chat_questions=3)
     corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
     with_questions = rollouts.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
-    cfg.negatives_chat_questions = 0
+    cfg.chat.negatives_chat_questions = 0
     without = rollouts.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
     head = chat_header_length(tok)
     questions = generic_questions(corpus.subjects, 3)

@@ -135,7 +135,7 @@ def test_write_targets_keep_going_until_targets_are_produced():
     """Stage 6 with a budget past target_steps: edits whose target is not yet the greedy output get
     more steps, and the delta kept for an edit reported as produced does produce it."""
     from aloe_build.edited_forward import EditedForward
-    from aloe_build.writes import write_targets
+    from aloe_build.stages.s6_targets import write_targets
 
     model, tok, seqs, lens, op = _slot_per_sequence()
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
@@ -169,7 +169,7 @@ def test_write_targets_let_a_produced_edit_leave_once_its_nll_is_low():
     import dataclasses
 
     from aloe_build.edited_forward import EditedForward
-    from aloe_build.writes import write_targets
+    from aloe_build.stages.s6_targets import write_targets
 
     model, tok, seqs, lens, op = _slot_per_sequence()
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
@@ -202,7 +202,7 @@ def test_write_targets_fit_a_slot_on_all_its_sequences():
     chat form): the reported NLL is the mean over them under the returned delta, the slot counts as
     produced only when all are, and the second form is fitted better than by the request alone."""
     from aloe_build.edited_forward import EditedForward
-    from aloe_build.writes import write_targets
+    from aloe_build.stages.s6_targets import write_targets
 
     model, tok, seqs, lens, op = _slot_per_sequence(extra_form=True)  # sequence 4: a second form of slot 0
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=5, owners=[0, 1, 2, 3, 0])
@@ -232,7 +232,7 @@ def test_stage6_batches_pad_least_to_the_positions_after_the_cache():
     import itertools
     from types import SimpleNamespace
 
-    from aloe_build.writes import target_batches
+    from aloe_build.stages.s6_targets import target_batches
 
     after_cache = [9, 2, 7, 3, 8, 2, 5]  # per sequence; slot 0 has two (0 and 6)
     rows_of = [[0, 6], [1], [2], [3], [4], [5]]
@@ -253,7 +253,7 @@ def test_stage6_grouping_does_not_change_the_fit_and_foreign_parts_are_recompute
     are not the batch's own (a run that grouped otherwise) is computed again, not read back."""
     from aloe_build.checkpoints import PartStore
     from aloe_build.edited_forward import EditedForward
-    from aloe_build.writes import target_batches, write_targets
+    from aloe_build.stages.s6_targets import target_batches, write_targets
 
     model, tok, seqs, lens, op = _slot_per_sequence()
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
@@ -277,7 +277,8 @@ def test_stage6_grouping_does_not_change_the_fit_and_foreign_parts_are_recompute
 
 def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():
     from aloe_build.edited_forward import EditedForward
-    from aloe_build.writes import finetune_writes, produced_rows, write_targets
+    from aloe_build.stages.s6_targets import write_targets
+    from aloe_build.stages.s8_finetune import finetune_writes, produced_rows
 
     model, tok, seqs, lens, op = _slot_per_sequence()
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=4)
@@ -304,7 +305,7 @@ def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():
 def test_write_targets_resume_after_an_interrupted_batch(tmp_path, monkeypatch):
     """Stage 6 saves each batch as it finishes: after an interruption the finished batches are read
     back, not recomputed, and the result equals an uninterrupted run."""
-    import aloe_build.writes as writes
+    import aloe_build.stages.s6_targets as writes
     from aloe_build.checkpoints import PartStore
     from aloe_build.edited_forward import EditedForward
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from aloe_build.config import BuildConfig
-from aloe_cli.demo import DEMO_CONFIG_FIELDS, DEMO_EDITS, chat_texts, greedy, hits
+from aloe_cli.demo import DEMO_EDITS, chat_texts, greedy, hits
 
 # The demo facts the unedited model holds most firmly, which an operator is likeliest to fail to
 # override: a stage-4 change once left these ten with shut gates while the other twenty took.
@@ -37,7 +37,7 @@ def test_demo_build_makes_every_strong_fact_take(tmp_path, smollm2_encoder_cache
     model, tok = load_model("smollm2")
     controls = [e.locality[0].prompt for e in edits]
     before = greedy(model, tok, controls), chat_texts(model, tok, controls)
-    config = BuildConfig(**{**DEMO_CONFIG_FIELDS, **GUARD_SIZES, "encoder_cache": str(smollm2_encoder_cache)})
+    config = BuildConfig.preset("demo", **GUARD_SIZES, encoder_cache=str(smollm2_encoder_cache))
     op = build_operator(model, tok, edits, config, out_dir=tmp_path, log=None)
     problems = json.loads((tmp_path / "build_report.json").read_text()).get("problems")
     apply_aloe(model, op)

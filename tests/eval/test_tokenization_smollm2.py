@@ -8,8 +8,8 @@ import pytest
 
 from aloe_build import BuildConfig, load_edits
 from aloe_build.corpus import load_corpus
-from aloe_build.rollouts import token_sequences
 from aloe_build.slots import make_slots
+from aloe_build.stages.s3_rollouts import token_sequences
 from aloe_cli.demo import DEMO_EDITS
 from aloe_eval.plan import plan
 

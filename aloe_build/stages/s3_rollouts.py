@@ -24,16 +24,16 @@ import torch
 
 from aloe_kernels.hf import locate_down_proj
 
-from .checkpoints import PartStore, save_tensors_atomically
-from .chunked import chunked_states, chunked_tokens_and_states
-from .config import BuildConfig
-from .corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
-from .forward import Tick, generate_with_states, in_precision, teacher_forced
-from .questions import QUESTIONS_VERSION, generic_questions
-from .slots import Slot
-from .states import StateBatch
-from .system_prompts import GENERIC_SYSTEM_PROMPTS
-from .tokens import (
+from ..checkpoints import PartStore, save_tensors_atomically
+from ..chunked import chunked_states, chunked_tokens_and_states
+from ..config import BuildConfig
+from ..corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
+from ..forward import Tick, generate_with_states, in_precision, teacher_forced
+from ..questions import QUESTIONS_VERSION, generic_questions
+from ..slots import Slot
+from ..states import StateBatch
+from ..system_prompts import GENERIC_SYSTEM_PROMPTS
+from ..tokens import (
     chat_answer,
     chat_header_length,
     chat_prompt,
@@ -117,8 +117,8 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
     # addresses.refine_addresses): the address cannot separate every rewording from the negatives.
     para_rng = random.Random(cfg.seed + 1)
     for i, s in enumerate(slots):
-        if s.template and cfg.positives_same_relation > 0:
-            for text in corpus.same_relation_prompts(s.template, s.subject, cfg.positives_same_relation, para_rng):
+        if s.template and cfg.experimental.positives_same_relation > 0:
+            for text in corpus.same_relation_prompts(s.template, s.subject, cfg.experimental.positives_same_relation, para_rng):
                 seqs.add(encode_prompt(tokenizer, text), i, soft=True, along=True)
     # The request as a chat model is asked: the answer starts with the target (no leading space).
     for i, ids in chat_forms(tokenizer, slots, cfg):
@@ -126,7 +126,7 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
     # The request after corpus statements: the edit must fire whatever text comes before it, so
     # these anchors are required like the request's own.
     prefix_rng = random.Random(cfg.seed + 3)
-    statements = corpus.statement_pool(cfg.positives_prefix_pool, prefix_rng) if cfg.positives_prefixed > 0 else []
+    statements = corpus.statement_pool(cfg.experimental.positives_prefix_pool, prefix_rng) if cfg.positives_prefixed > 0 else []
     for i, s in enumerate(slots):
         for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng, statements):
             seqs.add(encode_prompt(tokenizer, text), i, soft=False, along=False)
@@ -135,10 +135,10 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
 
 def chat_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple[int, list[int]]]:
     """(slot, token ids) of each request asked through the chat template, after the template's
-    default system prompt and then after each of ``cfg.chat_systems``; none without chat positives."""
-    if not cfg.positives_chat:
+    default system prompt and then after each of ``cfg.chat.chat_systems``; none without chat positives."""
+    if not cfg.chat.positives_chat:
         return []
-    return [(i, chat_prompt(tokenizer, s.prompt, system)) for system in (None, *cfg.chat_systems)
+    return [(i, chat_prompt(tokenizer, s.prompt, system)) for system in (None, *cfg.chat.chat_systems)
             for i, s in enumerate(slots)]
 
 
@@ -208,7 +208,7 @@ def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
 def shared_paraphrase_texts(corpus: Corpus, cfg: BuildConfig, edited_subjects: frozenset[str]) -> list[str]:
     """Other wordings of the first ``negatives_paraphrases`` corpus requests ("X is incredible at"),
     except those about an edited subject (a rewording of an edit's own fact is not its negative)."""
-    return list(dict.fromkeys(it.paraphrase for it in corpus.items[: cfg.negatives_paraphrases]
+    return list(dict.fromkeys(it.paraphrase for it in corpus.items[: cfg.experimental.negatives_paraphrases]
                               if it.subject not in edited_subjects))
 
 
@@ -252,7 +252,7 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
     pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{tokens}.safetensors",
                           lambda: continued_states(shared_negative_texts(corpus, cfg),
                                                    "stage 3: shared negatives and their continuations"))
-    if cfg.negatives_paraphrases > 0:
+    if cfg.experimental.negatives_paraphrases > 0:
         texts = shared_paraphrase_texts(corpus, cfg, edited_subjects)
         digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
         reworded = _cached_states(path / f"negatives-paraphrases-{digest}-c{tokens}.safetensors",
@@ -262,7 +262,7 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
         name = f"negatives-questions-{cfg.negatives_questions}-c{tokens}-v{QUESTIONS_VERSION}.safetensors"
         pool = torch.cat([pool, _cached_states(path / name, lambda: continued_states(
             shared_question_texts(corpus, cfg), "stage 3: generic questions and their continuations"))])
-    if cfg.positives_chat and cfg.negatives_chat_pool > 0:
+    if cfg.chat.positives_chat and cfg.chat.negatives_chat_pool > 0:
         pool = torch.cat([pool, shared_chat_negatives(model, tokenizer, layer, path, corpus, cfg)])
     return pool
 
@@ -279,12 +279,12 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
     header once per system prompt): where a chat-form anchor's neighbours lie. A few of the corpus
     texts are asked again after each of the first ``negatives_chat_systems`` generic system
     prompts, whose headers hold the tokens that close a system turn."""
-    systems = (None, *cfg.chat_systems)
-    generic = GENERIC_SYSTEM_PROMPTS[: cfg.negatives_chat_systems]
+    systems = (None, *cfg.chat.chat_systems)
+    generic = GENERIC_SYSTEM_PROMPTS[: cfg.chat.negatives_chat_systems]
 
     def compute() -> torch.Tensor:
-        texts = list(dict.fromkeys(t for it in corpus.items[: cfg.negatives_chat_pool] for t in (it.request, it.locality)))
-        texts = list(dict.fromkeys(texts + generic_questions(corpus.subjects, cfg.negatives_chat_questions)))
+        texts = list(dict.fromkeys(t for it in corpus.items[: cfg.chat.negatives_chat_pool] for t in (it.request, it.locality)))
+        texts = list(dict.fromkeys(texts + generic_questions(corpus.subjects, cfg.chat.negatives_chat_questions)))
         asked_after = [systems[k % len(systems)] for k in range(len(texts))]
         again = [texts[k % len(texts)] for k in range(len(generic) * QUESTIONS_PER_GENERIC_SYSTEM)] if texts else []
         texts += again
@@ -294,12 +294,12 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
         first = {s: asked_after.index(s) for s in heads if s in asked_after}
         starts = [0 if first[s] == k else heads[s] for k, s in enumerate(asked_after)]
         prompts = [chat_prompt(tokenizer, t, s) for t, s in zip(texts, asked_after)]
-        return continued(model, tokenizer, prompts, cfg.negatives_chat_answer_tokens, layer, cfg.batch_size,
+        return continued(model, tokenizer, prompts, cfg.chat.negatives_chat_answer_tokens, layer, cfg.batch_size,
                          "stage 3: chat negatives and their answers", starts=starts)[1].states
 
-    questions = f"-q{cfg.negatives_chat_questions}v{QUESTIONS_VERSION}" if cfg.negatives_chat_questions > 0 else ""
-    name = (f"negatives-chat-{cfg.negatives_chat_pool}-c{cfg.negatives_chat_answer_tokens}-s{len(generic)}{questions}-"
-            f"{chat_template_key(tokenizer, (*cfg.chat_systems, *generic))}")
+    questions = f"-q{cfg.chat.negatives_chat_questions}v{QUESTIONS_VERSION}" if cfg.chat.negatives_chat_questions > 0 else ""
+    name = (f"negatives-chat-{cfg.chat.negatives_chat_pool}-c{cfg.chat.negatives_chat_answer_tokens}-s{len(generic)}{questions}-"
+            f"{chat_template_key(tokenizer, (*cfg.chat.chat_systems, *generic))}")
     return _cached_states(path / f"{name}.safetensors", compute)
 
 
@@ -377,7 +377,7 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
     (about 30% of the positions on CounterFact: the slot's prompts share their subject's opening).
     So is one whose prefix opens a prompt of the shared pool, already a negative of every slot."""
     stream = _Stream(slots, corpus, cfg.seed)
-    chat_head = chat_header_length(tokenizer) if cfg.positives_chat and cfg.negatives_chat_own > 0 else 0
+    chat_head = chat_header_length(tokenizer) if cfg.chat.positives_chat and cfg.chat.negatives_chat_own > 0 else 0
     in_pool = pool_prompt_prefixes(tokenizer, corpus, cfg)
     spec_seqs, spec_pos, spec_owner = [], [], []
     for i, s in enumerate(slots):
@@ -400,7 +400,7 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
         for t in (t for k in kinds for t in k):
             ids = encode_prompt(tokenizer, t)
             add(ids, range(len(ids)))
-        for t in in_turn(kinds, cfg.negatives_chat_own) if cfg.positives_chat else []:
+        for t in in_turn(kinds, cfg.chat.negatives_chat_own) if cfg.chat.positives_chat else []:
             ids = chat_prompt(tokenizer, t)  # the template's header is in the shared chat pool
             add(ids, range(chat_head, len(ids)))
     return spec_seqs, spec_pos, spec_owner
@@ -435,7 +435,7 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
     r = seqs.along
     _, along = along_target_anchors(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
                                     seqs.targets + seqs.extra_targets[:r], layer, cfg.max_target_tokens,
-                                    cfg.anchor_predicted_targets, cfg.batch_size, parts)
+                                    cfg.experimental.anchor_predicted_targets, cfg.batch_size, parts)
     last = chunked_states(parts, "prefixed_anchors", model, tokenizer, seqs.extra_prompts[r:], layer,
                           [[len(p) - 1] for p in seqs.extra_prompts[r:]], "stage 3: prefixed anchor states")
     anchors = StateBatch(torch.cat([along.states, last.states]),
@@ -449,7 +449,7 @@ def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corp
                                          cfg.negative_continuation_tokens, cfg.batch_size, parts, "continuations")
         chat = chat_forms(tokenizer, slots, cfg)
         chat_cont, chat_owner = answer_states(model, tokenizer, [ids for _, ids in chat], [i for i, _ in chat], layer,
-                                              cfg.negatives_chat_answer_tokens, cfg.batch_size, parts, "chat_answers")
+                                              cfg.chat.negatives_chat_answer_tokens, cfg.batch_size, parts, "chat_answers")
         specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng, parts)
     keep = not_anchors(cont, anchors.states)
     chat_keep = not_anchors(chat_cont, anchors.states)

@@ -18,8 +18,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .addresses import NegativeSet, min_anchor_scores
-from .config import BuildConfig
+from ..config import BuildConfig
+from ..slot_sets import NegativeSet, min_anchor_scores
 
 
 @dataclass
@@ -61,7 +61,7 @@ def calibrate(
     s_neg = hard_s[:, 0]
     if soft_own.numel():
         s_soft = (V[soft_own] * soft_a).sum(-1)
-        floor = s_neg + cfg.calibration_soft_floor * (s_pos - s_neg)
+        floor = s_neg + cfg.experimental.calibration_soft_floor * (s_pos - s_neg)
         counted = (s_soft >= floor[soft_own]) & (s_pos > s_neg)[soft_own]
         s_pos = torch.minimum(s_pos, min_anchor_scores(V, soft_a[counted], soft_own[counted]))
     norms = V.norm(dim=1).clamp_min(1e-12)

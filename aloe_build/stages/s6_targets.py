@@ -1,42 +1,23 @@
-"""Stages 6-8: fit the write directions U once the gates are fixed.
+"""Stage 6: write targets.
 
-(6) Write targets: for each edit, the down-projection output change that makes
-    the model produce the target, optimised on its own for a few steps. The
-    change is applied through the edit's own calibrated gate at every position
-    of prompt + target, i.e. in exactly the form the operator can express
-    (a rank-one change along the gate), so the "compress to rank 16, evaluate
-    on the anchor" step of the paper reduces to reading the vector off.
-(7) Paper Eq. 6: one ridge solve for all writes, accounting for edits whose
-    gates overlap and keeping writes small where negatives open a gate.
-(8) A few AdamW steps of target NLL on U with V, tau, alpha frozen, on
-    minibatches of edits with the whole operator in place.
+For each edit, the down-projection output change that makes the model produce the
+target, optimised on its own for a few steps. The change is applied through the edit's own
+calibrated gate at every position of prompt + target, i.e. in exactly the form the operator can
+express (a rank-one change along the gate), so the "compress to rank 16, evaluate on the anchor"
+step of the paper reduces to reading the vector off.
 """
 
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from aloe_kernels import AloeOperator
-from aloe_kernels.reference import gates_from_scores
-
-from .checkpoints import PartStore
-from .config import BuildConfig
-from .edited_forward import EditedForward
-from .open_gates import OpenGates, add_gram_, open_gates
-
-
-def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
-                   owners: Sequence[int], op: AloeOperator, cfg: BuildConfig) -> EditedForward:
-    """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then).
-    Sequence i < op.n is slot i's request; later ones are extra sequences of slot ``owners[i]``."""
-    return EditedForward(model, tokenizer, seqs, target_lens, op, cfg.batch_size, cfg.compute_dtype,
-                         desc="stages 6-8: gates and layer outputs", owners=owners)
+from ..checkpoints import PartStore
+from ..config import BuildConfig
+from ..edited_forward import EditedForward
 
 
 def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None = None,
@@ -155,128 +136,3 @@ def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig
         opt.step()
     # the loop stops at step k before its update (or after the last one): k updates were made
     return {"delta": out, "nll": nll_out, "produced": produced, "steps": torch.tensor(step)}
-
-
-def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch.Tensor:
-    """Gates (N, n) of normalized states, in float32."""
-    V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
-    out = []
-    for start in range(0, states.shape[0], chunk):
-        s = states[start: start + chunk].float() @ V.T
-        out.append(gates_from_scores(s, tau, alpha, op.gate_eps))
-    return torch.cat(out) if out else torch.zeros(0, op.n)
-
-
-@dataclass
-class NegativeGateTally:
-    """Of the negative states gated so far: how many, how many open any gate, the largest gate."""
-
-    rows: int = 0
-    any_open: int = 0
-    max_gate: float = 0.0
-
-    def add(self, gates: OpenGates) -> None:
-        self.rows += gates.n_rows
-        self.any_open += int(torch.unique_consecutive(gates.rows).numel())
-        self.max_gate = max(self.max_gate, float(gates.values.max()) if gates.values.numel() else 0.0)
-
-    def summary(self) -> dict[str, float]:
-        return {"negative_any_open_share": self.any_open / self.rows if self.rows else 0.0,
-                "negative_max_gate": self.max_gate}
-
-
-def ridge_writes(
-    deltas: torch.Tensor,
-    anchors: torch.Tensor,
-    anchor_owner: torch.Tensor,
-    negatives: torch.Tensor | Sequence[torch.Tensor],
-    op: AloeOperator,
-    cfg: BuildConfig,
-    tally: NegativeGateTally | None = None,
-) -> torch.Tensor:
-    """Stage 7 (paper Eq. 6): U0 = Y G+^T (G+ G+^T + lambda G- G-^T + mu I)^-1, edit-major.
-
-    Column a of Y is what anchor a should receive: its own slot's gate times that slot's target.
-    ``negatives`` may be several tensors (read in place, never concatenated). Gating every
-    negative at every slot is the stage's cost, so ``tally``, if given, also counts their gates
-    (the build report's gate statistics need the same pass). Only the open gates are kept
-    (:mod:`.open_gates`): the products cost what the open gates do, not N times n.
-    """
-    A = cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
-    rhs = torch.zeros(op.n, deltas.shape[1], dtype=torch.float64)  # G+^T Y
-    targets = deltas.double()
-    lo = 0
-    for Gp in open_gates(anchors, op):
-        owner = anchor_owner[lo: lo + Gp.n_rows]
-        lo += Gp.n_rows
-        Y = Gp.at(owner).double()[:, None] * targets[owner]  # (piece, d_out)
-        S = Gp.sparse(op.n)
-        add_gram_(A, S)
-        rhs += torch.sparse.mm(S.t(), Y)
-    for Gn in open_gates(negatives, op):
-        if tally is not None:
-            tally.add(Gn)
-        add_gram_(A, Gn.sparse(op.n), cfg.ridge_lambda)
-    writes = torch.linalg.solve(A, rhs)  # (n, d_out)
-    if not torch.isfinite(writes).all():
-        raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")
-    return writes.float()
-
-
-def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) -> tuple[torch.Tensor, list[float]]:
-    """Stage 8: AdamW on U for target NLL over minibatches of edits, the whole operator in place.
-
-    With ``finetune_rescore_every`` > 0 the minibatches come from the sequences whose target the
-    current writes do not yet produce, re-scored that often; training stops once all are produced.
-    """
-    if cfg.finetune_rescore_every < 0:
-        raise ValueError(f"finetune_rescore_every must be >= 0, got {cfg.finetune_rescore_every}")
-    if cfg.finetune_steps <= 0:
-        return writes.clone(), []
-    rng = random.Random(cfg.seed)
-    losses: list[float] = []
-    U = writes.detach().to(fwd.device, torch.float32).clone().requires_grad_(True)
-    opt = torch.optim.AdamW([U], lr=cfg.finetune_lr, weight_decay=0.0)
-    everything = list(range(len(fwd.seqs)))
-    order = everything[:]  # re-drawn from the missed sequences when rescoring
-    if cfg.finetune_rescore_every == 0:
-        rng.shuffle(order)
-    pos = 0
-    bar = tqdm(range(cfg.finetune_steps), desc="stage 8: write fine-tuning", leave=False)
-    with fwd.frozen():
-        for step in bar:
-            if cfg.finetune_rescore_every > 0 and step % cfg.finetune_rescore_every == 0:
-                order = [i for i, ok in zip(everything, produced_rows(fwd, U.detach(), everything, cfg.finetune_batch))
-                         if not ok]
-                if not order:
-                    break  # every target is produced
-                rng.shuffle(order)
-                pos = 0
-            if pos + cfg.finetune_batch > len(order) and pos > 0:
-                rng.shuffle(order)
-                pos = 0
-            rows = order[pos: pos + cfg.finetune_batch]
-            pos += len(rows)
-            slots, G = fwd.all_gates(rows)  # every slot open anywhere in the batch, not only the batch's own
-            loss = fwd.nll(rows, G @ U[slots]).mean()
-            if not torch.isfinite(loss):
-                raise FloatingPointError("stage 8 (write fine-tuning): loss became NaN/Inf")
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(nll=f"{losses[-1]:.3f}", missed=len(order))
-    return U.detach().float().cpu().clone(), losses
-
-
-def produced_rows(fwd: EditedForward, U: torch.Tensor, rows: Sequence[int], batch: int) -> list[bool]:
-    """For each of ``rows``: is every token of its target the argmax under the whole operator with
-    writes ``U`` (teacher-forced, so the same as greedy decoding reproducing the target)?"""
-    out: list[bool] = []
-    U = U.to(fwd.device, torch.float32)
-    with torch.no_grad():
-        for start in range(0, len(rows), batch):
-            part = list(rows[start: start + batch])
-            slots, G = fwd.all_gates(part)
-            out += fwd.scored(part, G @ U[slots])[1].tolist()
-    return out

@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .checkpoints import file_sha256, save_tensors_atomically, write_atomically
-from .config import BuildConfig
-from .corpus import CORPUS_VERSION, Corpus
-from .states import last_token_states
+from ..checkpoints import file_sha256, save_tensors_atomically, write_atomically
+from ..config import BuildConfig
+from ..corpus import CORPUS_VERSION, Corpus
+from ..states import last_token_states
 
 
 @dataclass
@@ -147,7 +147,7 @@ def batch_loss(cs: CorpusStates, b: torch.Tensor, Q: torch.Tensor, K: torch.Tens
         query_logits = torch.cat([s_pp, s_key_ss], dim=1)
         margin_ss = torch.cat([s_ss, s_key_ss], dim=1)
     rank_q = F.cross_entropy(query_logits, target)  # each paraphrase picks its own key
-    if cfg.encoder_batch_negatives:  # every locality input and same-subject prompt of the batch
+    if cfg.experimental.encoder_batch_negatives:  # every locality input and same-subject prompt of the batch
         key_negatives = [s_loc_all.T, c * torch.einsum("jsp,ip->ijs", q_ss, k).reshape(B, -1)]
     else:  # the key's own only
         key_negatives = [s_loc[:, None], s_ss]
@@ -157,10 +157,10 @@ def batch_loss(cs: CorpusStates, b: torch.Tensor, Q: torch.Tensor, K: torch.Tens
     gram = k @ k.T
     ortho = ((gram - torch.eye(B)) ** 2).sum() / (B * (B - 1))
     loss = rank_q + rank_k + margin + cfg.encoder_ortho * ortho
-    if cfg.encoder_threshold_weight:
+    if cfg.experimental.encoder_threshold_weight:
         off_diagonal = ~torch.eye(B, dtype=torch.bool)
         negatives = torch.cat([s_pp[off_diagonal], s_loc_all.reshape(-1), margin_ss.reshape(-1)])
-        loss = loss + cfg.encoder_threshold_weight * (
+        loss = loss + cfg.experimental.encoder_threshold_weight * (
             F.softplus(threshold - s_pos).mean() + F.softplus(negatives - threshold).mean())
     return loss
 
@@ -178,11 +178,11 @@ MEMBER_SEED_STRIDE = 7919  # member j of an ensemble trains with seed + j * stri
 
 
 def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: BuildConfig) -> AddressEncoder:
-    """Fit Q, K, c on the items ``idx``: ``cfg.encoder_members`` members, each from its own seed."""
+    """Fit Q, K, c on the items ``idx``: ``cfg.experimental.encoder_members`` members, each from its own seed."""
+    n = cfg.experimental.encoder_members
     members = [_train_member(cs, groups, idx, dataclasses.replace(cfg, seed=cfg.seed + j * MEMBER_SEED_STRIDE),
-                             f"stage 1: address encoder {j + 1}/{cfg.encoder_members}" if cfg.encoder_members > 1
-                             else "stage 1: address encoder")
-               for j in range(cfg.encoder_members)]
+                             f"stage 1: address encoder {j + 1}/{n}" if n > 1 else "stage 1: address encoder")
+               for j in range(n)]
     return AddressEncoder(*(torch.cat([getattr(m, f) for m in members]) for f in ("Q", "K", "log_c")))
 
 
@@ -202,8 +202,8 @@ def _train_member(cs: CorpusStates, groups: list[str], idx: list[int], cfg: Buil
     bar = tqdm(range(cfg.encoder_steps), desc=desc, leave=False)
     for _ in bar:
         b = torch.tensor([idx[j] for j in next(batches)])
-        states, rows = (dropped_batch(cs, b, cfg.encoder_dropout, gen), torch.arange(len(b))) if cfg.encoder_dropout \
-            else (cs, b)
+        dropout = cfg.experimental.encoder_dropout
+        states, rows = (dropped_batch(cs, b, dropout, gen), torch.arange(len(b))) if dropout else (cs, b)
         loss = batch_loss(states, rows, Q, K, log_c, threshold, cfg)
         if not torch.isfinite(loss):
             raise FloatingPointError("stage 1 (address encoder): loss became NaN/Inf")

@@ -35,7 +35,7 @@ import torch
 
 from .config import BuildConfig
 from .corpus import Corpus
-from .encoder import AddressEncoder, CorpusStates, corpus_states, raw_control, train_encoder
+from .stages.s1_encoder import AddressEncoder, CorpusStates, corpus_states, raw_control, train_encoder
 from .states import last_token_states
 
 PROTOCOLS = ("subject", "relation")
