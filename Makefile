@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.aloe-installed
 
-.PHONY: install check test test-core demo clean install-vllm test-vllm gpu-check
+.PHONY: install check test test-core demo clean install-vllm test-vllm gpu-check bench
 
 install: $(STAMP)
 
@@ -60,6 +60,10 @@ test-vllm: install-vllm
 # Fill scratch/ first on a machine with ../shared: python -m benchmarks.gpu_suite --prepare
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu_suite --part all
+
+# The gate microbenchmark (benchmarks/bench_gate.py); its options go in ARGS, e.g. make bench ARGS="--help".
+bench: install
+	$(PY) -m benchmarks.bench_gate $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

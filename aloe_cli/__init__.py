@@ -1,4 +1,4 @@
-"""The ``aloe`` command: build, evaluate, inspect, demo, benchmark, export and serve."""
+"""The ``aloe`` command: build, evaluate, inspect, demo, export and serve."""
 
 from .main import build_parser, main
 

@@ -182,68 +182,6 @@ def test_changed_locality_gates_locate_the_gate_that_changed_an_answer():
                     "in_prompt": 1, "in_answer": 1}
 
 
-def test_chat_template_gates_report_the_positions_where_a_slot_opens():
-    """A slot made to open on the state of one template position is reported there, with its gate;
-    the closed slots nowhere."""
-    from aloe_kernels import AloeOperator
-    from aloe_kernels.hf import locate_down_proj
-    from aloe_kernels.reference import gates_from_scores
-    from benchmarks.chat_template_gates import open_positions
-    from tests.helpers import operator_opening_on
-
-    model, tok = _setup()
-    ids = chat_prompt(tok, "The capital of France is", "be brief")
-    site = locate_down_proj(model, 1)
-    box = {}
-    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]))
-    handle.remove()
-    at = 3  # a position inside the system turn
-    op = operator_opening_on(box["h"][0, at: at + 1], n_extra=2, d_out=site.d_out)
-    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
-                      writes=op.writes, layer=1, weight_fingerprint="unchecked")
-    got = open_positions(model, tok, op, "The capital of France is", "be brief")
-    h = torch.nn.functional.normalize(box["h"][0].double(), dim=1)
-    g = gates_from_scores(h @ op.addresses.double().T, op.thresholds.double(), op.temperatures.double(), op.gate_eps)
-    want = [p for p in range(len(ids)) if g[p].max() > 0]
-    assert at in want and [p for p, *_ in got] == want
-    assert all(slot == 0 for _, _, slot, _ in got)
-    row = next(r for r in got if r[0] == at)
-    assert row[3] == pytest.approx(float(g[at, 0]), abs=1e-5)
-
-
-def test_chat_template_gates_count_the_prompts_where_a_slot_opens():
-    """A slot that opens inside the system turn opens on every question asked after that system
-    prompt: each counts as open, as the owner's slot where the question belongs to slot 0 and as
-    another where it belongs to none. After the default system prompt, the prompts counted closed
-    are those where no position is listed open."""
-    from aloe_kernels import AloeOperator
-    from aloe_kernels.hf import locate_down_proj
-    from benchmarks.chat_template_gates import open_positions, prompt_gates
-    from tests.helpers import operator_opening_on
-
-    model, tok = _setup()
-    questions = ["The capital of France is", "Toko Yasuda plays the"]
-    ids = chat_prompt(tok, questions[0], "be brief")
-    site = locate_down_proj(model, 1)
-    box = {}
-    handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]))
-    handle.remove()
-    op = operator_opening_on(box["h"][0, 3:4], n_extra=2, d_out=site.d_out)
-    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
-                      writes=op.writes, layer=1, weight_fingerprint="unchecked")
-    for q in questions:
-        assert max(g for *_, g in open_positions(model, tok, op, q, "be brief")) >= 0.5
-    got = prompt_gates(model, tok, op, questions, [-1, 0], "be brief", batch_size=1)
-    assert got == {"prompts": 2, "open": 2, "small": 0, "closed": 0, "own_slot": 1, "other_slot": 1}
-    want_default = sum(1 for q in questions if open_positions(model, tok, op, q, None))
-    got_default = prompt_gates(model, tok, op, questions, [-1, 0], None)
-    assert got_default["closed"] == len(questions) - want_default
-
-
 def _two_requests() -> list[EditRequest]:
     """Two requests, each the other's locality prompt."""
     questions = ["The capital of France is", "John Lennon plays the"]

@@ -9,7 +9,7 @@ shares for a few t, and the AUC is the chance that a rewording's own r beats a l
 max r: where it is low no calibration of these addresses gives both generalization and locality,
 and the miss is the address's, not the write's.
 
-    python -m benchmarks.address_separability --operator runs/cf839 --edits runs/cf-stream.jsonl \\
+    python -m aloe_eval.separability --operator runs/cf839 --edits runs/cf-stream.jsonl \\
         --limit 839 --out benchmarks/results/separability_smollm2_counterfact-stream/n839.json
 
 The operator directory must hold its build's checkpoints (``checkpoints/5_calibrate.safetensors``).
@@ -32,15 +32,9 @@ from pathlib import Path
 
 import torch
 
+from aloe_build.mechanism_protocol import auc
+
 CUTS = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-def auc(positives: torch.Tensor, negatives: torch.Tensor) -> float:
-    """The chance that a positive scores above a negative (ties count half)."""
-    ranked = torch.sort(negatives).values
-    below = torch.searchsorted(ranked, positives, right=False).double()
-    at_or_below = torch.searchsorted(ranked, positives, right=True).double()
-    return float(((below + at_or_below) / 2).mean() / max(negatives.numel(), 1))
 
 
 def share_above_own(scores: torch.Tensor, slots: torch.Tensor, other: torch.Tensor, other_slots: torch.Tensor
@@ -110,8 +104,8 @@ def stage_readings(V: torch.Tensor, request_states: torch.Tensor, rephrase_state
 
 def clears_negatives(V: torch.Tensor, roll: dict[str, torch.Tensor], same_prompt: torch.Tensor) -> dict[str, float]:
     """Share of slots whose worst anchor scores above the worst negative of each kind, and of all."""
-    from aloe_build.addresses import NegativeSet, min_anchor_scores
     from aloe_build.pipeline import negative_set
+    from aloe_build.slot_sets import NegativeSet, min_anchor_scores
 
     V = V.float()
     worst_anchor = min_anchor_scores(V, roll["anchors"].float(), roll["anchor_owner"])

@@ -1,10 +1,10 @@
-"""The address-separability reading against a brute force over every pair, in float64."""
+"""``aloe_eval.separability``: the address-separability readings against a brute force over every pair, in float64."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.address_separability import separability
+from aloe_eval.separability import separability
 
 
 def test_separability_matches_a_brute_force():
@@ -40,7 +40,7 @@ def test_separability_matches_a_brute_force():
 def test_stage_readings_and_negative_kinds_match_a_brute_force():
     """The ``--stages`` readings of unscaled addresses, and which negative kinds each slot's worst
     anchor clears, against loops over every pair in float64."""
-    from benchmarks.address_separability import clears_negatives, stage_readings
+    from aloe_eval.separability import clears_negatives, stage_readings
 
     g = torch.Generator().manual_seed(11)
     n, d, prompts = 5, 9, 6
@@ -97,25 +97,3 @@ def test_stage_readings_and_negative_kinds_match_a_brute_force():
         assert abs(got[name] - sum(worst_anchor(i) > f(i) for i in range(n)) / n) < 1e-12, name
     assert 0 < got["all"] < 1 and got["own edit negatives"] < 1
 
-
-def test_layer_readings_match_a_brute_force():
-    """The raw-state readings per layer (requests as addresses) against loops over every pair."""
-    from benchmarks.layer_separability import readings
-
-    g = torch.Generator().manual_seed(3)
-
-    def unit(*shape):
-        return torch.nn.functional.normalize(torch.randn(*shape, generator=g, dtype=torch.float64), dim=-1)
-
-    q, r, lo = unit(4, 7), unit(6, 7), unit(5, 7)
-    r[0] = q[2]  # a rewording equal to its request: nearest, and above its locality prompts there
-    r_slot, l_slot = torch.tensor([2, 0, 1, 1, 3, 0]), torch.tensor([0, 1, 2, 3, 3])
-    got = readings(q, r, r_slot, lo, l_slot)
-    own = [float(r[k] @ q[r_slot[k]]) for k in range(6)]
-    pairs = [(own[k], float(lo[j] @ q[l_slot[j]])) for k in range(6) for j in range(5) if r_slot[k] == l_slot[j]]
-    assert abs(got["rewording_over_own_locality_prompt"] - sum(a > b for a, b in pairs) / len(pairs)) < 1e-12
-    best = [max(float(lo[j] @ q[i]) for i in range(4)) for j in range(5)]
-    wins = sum((a > b) + 0.5 * (a == b) for a in own for b in best)
-    assert abs(got["auc_rewording_over_locality_best"] - wins / 30) < 1e-12
-    top1 = [max(range(4), key=lambda i: float(r[k] @ q[i])) == r_slot[k] for k in range(6)]
-    assert got["rewording_top1"] == sum(top1) / 6 and top1[0]
