@@ -60,19 +60,21 @@ def save_random_smollm2(out: Path, smoke: bool) -> Path:
     return out
 
 
-def run_cli(args: list[str], timeout: float, extra_env: dict[str, str] | None = None) -> tuple[int, str, float]:
-    """``aloe <args>`` in a subprocess from the source tree: return code, output tail and seconds.
+def run_cli(args: list[str], timeout: float, extra_env: dict[str, str] | None = None, tail: int = 6000
+            ) -> tuple[int, str, float]:
+    """``aloe <args>`` in a subprocess from the source tree: return code, the last ``tail`` characters of
+    its output and seconds.
 
     ``extra_env`` overrides the environment (e.g. a PYTHONPATH that adds a package folder)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.update(extra_env or {})
     rc, text, seconds = run_process([sys.executable, "-c", CLI, *args], env, timeout)
-    return rc, text[-6000:], seconds
+    return rc, text[-tail:], seconds
 
 
 def _flags_supported(res: PartResult) -> bool:
     """Whether ``aloe build --help`` lists --device and --dtype (the CLI is run, not imported: layering)."""
-    rc, text, _ = run_cli(["build", "--help"], 120)
+    rc, text, _ = run_cli(["build", "--help"], 120, tail=10**6)  # the usage lines lead a long list of settings
     ok = rc == 0 and "--device" in text and "--dtype" in text
     if not ok:
         res.log(f"`aloe build --help` (rc={rc}) does not list --device and --dtype: {text[-800:]}")
