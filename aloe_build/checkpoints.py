@@ -35,9 +35,12 @@ def write_atomically(file: Path, write: Callable[[Path], object]) -> None:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    """Hex SHA-256 of a file's bytes, read in 1 MiB pieces; of its decompressed bytes when its name ends
+    in ``.gz``, so that a file keys the same caches compressed or not."""
+    import gzip
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()

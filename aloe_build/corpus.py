@@ -20,7 +20,7 @@ from .data import EditRequest, load_edits, relation_templates
 # The first 4,000 records of CounterFact's train split (EasyEdit split; MIT
 # license, from ROME), shipped with the package so that a build needs no
 # external data. Streams evaluated here come from other splits.
-BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpora" / "counterfact-train-4k.jsonl"
+BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpora" / "counterfact-train-4k.jsonl.gz"
 # Bumped whenever what is mined from a corpus changes (it keys the encoder cache).
 # 2: templates grouped into relations through the records' rephrases and locality prompts.
 CORPUS_VERSION = 2

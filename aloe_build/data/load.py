@@ -24,10 +24,22 @@ from .requests import EditDataError, EditRequest, PathLike
 from .zsre import _parse_zsre
 
 
+def read_text(path: Path) -> str:
+    """A file's UTF-8 text, decompressed when its name ends in ``.gz`` (the bundled corpus ships so)."""
+    if path.name.endswith(".gz"):
+        import gzip
+
+        try:
+            return gzip.decompress(path.read_bytes()).decode("utf-8")
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise EditDataError(f"{path}: not a readable gzip file ({e})") from None
+    return path.read_text(encoding="utf-8")
+
+
 def _read_records(path: Path) -> Iterator[tuple[Any, int | None]]:
     """Yield (raw record, JSONL line number or None) from a JSON or JSONL file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
     except FileNotFoundError:
         raise EditDataError(f"{path}: edit file not found") from None
     except IsADirectoryError:
@@ -37,7 +49,7 @@ def _read_records(path: Path) -> Iterator[tuple[Any, int | None]]:
     except OSError as e:
         raise EditDataError(f"{path}: cannot read ({e})") from None
 
-    is_jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
+    is_jsonl = Path(path.name.removesuffix(".gz")).suffix.lower() in (".jsonl", ".ndjson")
     if not is_jsonl:
         try:
             data = json.loads(text) if text.strip() else []

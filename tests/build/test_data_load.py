@@ -91,6 +91,26 @@ def test_limit(tmp_path: Path) -> None:
         load_edits(p, limit=-1)
 
 
+def test_gzipped_files_read_as_their_inner_format_and_hash_as_their_content(tmp_path: Path) -> None:
+    import gzip
+
+    from aloe_build.checkpoints import file_sha256
+
+    recs = [{**EASY, "case_id": i} for i in range(3)]
+    plain = _write_jsonl(tmp_path / "r.jsonl", recs)
+    packed = tmp_path / "r.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert load_edits(packed) == load_edits(plain)
+    assert file_sha256(packed) == file_sha256(plain)  # caches keyed on a corpus survive its compression
+    json_packed = tmp_path / "r.json.gz"
+    json_packed.write_bytes(gzip.compress(json.dumps(recs).encode()))
+    assert load_edits(json_packed) == load_edits(plain)
+    broken = tmp_path / "b.jsonl.gz"
+    broken.write_bytes(b"not gzip")
+    with pytest.raises(EditDataError, match="not a readable gzip file"):
+        load_edits(broken)
+
+
 # --- error paths --------------------------------------------------------------
 
 

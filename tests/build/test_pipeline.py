@@ -128,6 +128,7 @@ def test_resume_after_interruption(tmp_path, monkeypatch):
     assert sum("resumed from checkpoint" in m for m in seen) == 6
 
 
+@pytest.mark.slow
 def test_a_stage_resumed_inside_says_so_in_the_report(tmp_path, monkeypatch):
     """Stage 6 stopped after its first batch and resumed: the report counts the batch read back (its
     seconds cover the rest only); a build run through counts none."""
@@ -296,7 +297,7 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
 
 def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeypatch):
     """Two builds whose encoders train differently share one pool file; a corpus change makes another."""
-    from aloe_build import rollouts
+    from aloe_build.stages import s3_rollouts as rollouts
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:2]
@@ -316,6 +317,7 @@ def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeyp
     assert len(pools) == 2 and len(made) == 2  # the second build read the first one's pool
 
 
+@pytest.mark.slow
 def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
     """With ``positives_chat``, each slot's anchors include the states of its request as a chat
     user turn followed by the target as the answer (the last prompt token and the answer's
@@ -357,6 +359,7 @@ def recording_write_targets(seen: list):
     return spy
 
 
+@pytest.mark.slow
 def test_target_chat_forms_fit_each_write_target_on_its_request_and_chat_form(tmp_path, monkeypatch):
     """With ``target_chat_forms`` stage 6 fits slot i's target on its request and on its chat form
     (the sequence of chat prompt + answer); without, on the request alone."""
@@ -389,7 +392,7 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
 
     from safetensors.torch import load_file
 
-    from aloe_build import rollouts
+    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.corpus import load_corpus
     from aloe_build.slots import make_slots
     from aloe_build.stages.s3_rollouts import edit_negative_sequences, token_sequences
@@ -435,7 +438,7 @@ def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     for the prefixes of the shared pool's prompts, whose states are negatives of every slot."""
     import random
 
-    from aloe_build import rollouts
+    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.corpus import load_corpus
     from aloe_build.slots import make_slots
     from aloe_build.tokens import encode_prompt
@@ -466,6 +469,7 @@ def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     assert in_pool > 0  # and shares some with the pool's prompts
 
 
+@pytest.mark.slow
 def test_chat_systems_add_a_chat_form_per_system_prompt_and_share_out_the_pool(tmp_path):
     """With ``chat_systems``: each slot's anchors also hold its request asked after each listed
     system prompt (last prompt token), owned by that slot alone; the chat-form pool asks its
@@ -508,7 +512,8 @@ def test_chat_builds_take_generic_system_headers_and_chat_answers_as_negatives(t
     negative of every slot but its own."""
     from safetensors.torch import load_file
 
-    from aloe_build import config, rollouts
+    from aloe_build import config
+    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.states import collect_states
     from aloe_build.tokens import chat_header_length, chat_prompt
 
@@ -803,7 +808,7 @@ def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
     """With ``negatives_chat_questions``: every position of each generic question asked through the
     chat template (after its header) and of the unedited model's answer is in the chat-form pool;
     with 0 none of the questions is."""
-    from aloe_build import rollouts
+    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.corpus import load_corpus
     from aloe_build.questions import generic_questions
     from aloe_build.states import collect_states
