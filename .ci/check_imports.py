@@ -4,7 +4,7 @@ Every import of one of our modules counts, at module level or inside a
 function. Layers: ``aloe_kernels`` imports nothing of ours; ``aloe_build``
 only ``aloe_kernels``; ``aloe_eval`` build and kernels; the vLLM plugin
 (``aloe_vllm``) kernels and build; ``benchmarks`` anything but the CLI; the
-``aloe_cli`` command everything. No module may reach itself through imports.
+``aloe_cli`` command every package but ``benchmarks``. No module may reach itself through imports.
 Source files stay under 600 lines and functions under 80.
 """
 
@@ -23,7 +23,7 @@ ALLOWED = {
     "aloe_eval": {"aloe_kernels", "aloe_build"},
     "aloe_vllm": {"aloe_kernels", "aloe_build"},
     "benchmarks": {"aloe_kernels", "aloe_build", "aloe_eval", "aloe_vllm"},
-    "aloe_cli": set(PACKAGES),
+    "aloe_cli": set(PACKAGES) - {"benchmarks"},  # the wheel does not ship benchmarks
 }
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
