@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.aloe-installed
 
-.PHONY: install check test test-core demo clean install-vllm test-vllm gpu-check bench
+.PHONY: install check test test-core test-fast test-slow demo clean install-vllm test-vllm gpu-check bench
 
 install: $(STAMP)
 
@@ -31,8 +31,18 @@ check: install
 # Everything: the core suite, then the vLLM suite in its own environment.
 test: test-core test-vllm
 
-test-core: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+# The core suite in two tiers, split by the markers in pyproject.toml. test-fast: kernels against float64
+# at small shapes, config, data loaders, the pipeline on tiny models. test-slow: SmolLM2, real builds and
+# evaluations, anything over ~20 s, and the gpu tests (skipped without CUDA). A make run makes each
+# target once, so `make test-fast test` runs every core test once, the fast ones first.
+test-core: test-fast test-slow
+
+# One thread: the fast tier's tensors are small, and two threads on two busy cores ran it 3-4x slower.
+test-fast: install
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not vllm and not gpu" tests
+
+test-slow: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "(slow or gpu) and not vllm" tests
 
 demo: install
 	$(VENV)/bin/aloe demo

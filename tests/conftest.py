@@ -99,3 +99,22 @@ def smollm2_encoder_cache(tmp_path_factory) -> Path:
     """One encoder cache for the real-SmolLM2 builds of a test run: those with the same stage-1 settings
     and corpus pools train the encoder and collect the pools once."""
     return tmp_path_factory.mktemp("smollm2-encoders")
+
+
+# Fixtures that load SmolLM2-135M or build on it. A fixture cannot carry a marker, so every test
+# that uses one is marked slow here; other slow tests carry @pytest.mark.slow themselves.
+SMOLLM2_FIXTURE_PREFIX = "smollm2"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by markers
+def pytest_collection_modifyitems(config, items):
+    """Mark the users of a SmolLM2 fixture slow; skip the gpu tests where CUDA is missing."""
+    cuda = None
+    for item in items:
+        if any(name.startswith(SMOLLM2_FIXTURE_PREFIX) for name in item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None:
+            if cuda is None:
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

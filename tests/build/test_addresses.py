@@ -150,6 +150,7 @@ def test_refinement_loss_falls_and_norms_kept():
     torch.testing.assert_close(V.norm(dim=1), V0.norm(dim=1), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_refinement_pulled_towards_the_encoder_addresses(tmp_path):
     """refine_pull: the pulled run ends nearer the stage-2 directions than the free one (each slot
     that refinement moves, by cosine). Each slot then takes its pulled address where its worst

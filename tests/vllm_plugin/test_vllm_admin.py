@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.vllm  # make test-vllm runs these in .venv-vllm
 pytest.importorskip("vllm")
 
 import vllm_helpers as vh  # noqa: E402
@@ -94,6 +95,7 @@ def _info(live, key: str = KEY) -> tuple[int, dict]:
     return vh.http_json("GET", live["url"] + "/v1/aloe/operator", key=key)
 
 
+@pytest.mark.slow
 def test_add_remove_correct_without_restart(live):
     hf, first = live["hf"], live["first"]
     assert _swap(live, "A")[0] == 200
@@ -141,6 +143,7 @@ def _corrupt_copies(live) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow
 def test_refusals_keep_the_old_operator(live):
     assert _swap(live, "B")[0] == 200
     before = _info(live)[1]
@@ -155,6 +158,7 @@ def test_refusals_keep_the_old_operator(live):
     assert [_complete(live, p) for p in PROMPTS] == live["hf"]["B"]
 
 
+@pytest.mark.slow
 def test_concurrent_completions_while_swapping(live):
     """64 completions in flight while A and B swap 10 times: none fails, each is A's or B's answer."""
     assert _swap(live, "A")[0] == 200

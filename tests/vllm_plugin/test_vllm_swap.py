@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+pytestmark = pytest.mark.vllm  # make test-vllm runs these in .venv-vllm
 pytest.importorskip("vllm")
 
 from helpers import random_operator  # noqa: E402
