@@ -331,7 +331,7 @@ def test_soft_anchors_turn_addresses_but_never_make_a_slot_inseparable():
     # the 0.9 point is the worst of the request anchors and the soft anchors that clear the floor
     s_req = slot_sets.min_anchor_scores(V, anchors, owner)
     s_far = (V * far).sum(1)
-    floor = cal.worst_negative + BuildConfig().calibration_soft_floor * (s_req - cal.worst_negative)
+    floor = cal.worst_negative + BuildConfig().experimental.calibration_soft_floor * (s_req - cal.worst_negative)
     torch.testing.assert_close(cal.worst_positive, torch.where(s_far >= floor, torch.minimum(s_req, s_far), s_req))
     # with every anchor required, slot 2 could not be separated
     assert not bool(calibration.calibrate(V, soft_states, soft_owner, neg, same, 1e-3, BuildConfig()).separable[2])

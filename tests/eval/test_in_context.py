@@ -9,7 +9,9 @@ def test_in_context_prefixes_are_held_out_from_the_construction_corpus() -> None
     from aloe_build.corpus import BUNDLED_CORPUS
     from aloe_eval.in_context import PREFIXES, in_context
 
-    corpus_text = BUNDLED_CORPUS.read_text()
+    import gzip
+
+    corpus_text = gzip.decompress(BUNDLED_CORPUS.read_bytes()).decode()
     assert all(p not in corpus_text for p in PREFIXES)
     got = in_context("The capital of France is", 3, len(PREFIXES) - 1)
     assert got == (f"{PREFIXES[-1]} The capital of France is", f"{PREFIXES[0]} The capital of France is",

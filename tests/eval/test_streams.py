@@ -39,7 +39,10 @@ def test_counterfact_stream_is_disjoint_from_the_bundled_corpus(data_dir, tmp_pa
 
     path = main(["counterfact", "--data", str(data_dir / "counterfact"), "--out", str(tmp_path / "stream.jsonl")])
     stream = load_edits(path)
-    corpus = [json.loads(line) for line in default_corpus_path().read_text().splitlines() if line.strip()]
+    import gzip
+
+    raw = gzip.decompress(default_corpus_path().read_bytes()).decode()
+    corpus = [json.loads(line) for line in raw.splitlines() if line.strip()]
     # checked here on the raw corpus file, not through the module under test
     assert not {r.id for r in stream} & {c["id"] for c in corpus}
     assert not {(r.subject, r.prompt) for r in stream} & {(c["subject"], c["prompt"]) for c in corpus}
