@@ -15,8 +15,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"aloe_kernels": "aloe_kernels", "aloe_build": "aloe_build", "aloe_eval": "aloe_eval",
-            "aloe_cli": "aloe_cli", "aloe_vllm": "integrations/vllm", "benchmarks": "benchmarks"}
+PACKAGES = {
+    "aloe_kernels": "aloe_kernels",
+    "aloe_build": "aloe_build",
+    "aloe_eval": "aloe_eval",
+    "aloe_cli": "aloe_cli",
+    "aloe_vllm": "integrations/vllm",
+    "benchmarks": "benchmarks",
+}
 ALLOWED = {
     "aloe_kernels": set(),
     "aloe_build": {"aloe_kernels"},
@@ -109,8 +115,9 @@ def sizes(known: dict[str, Path]) -> list[str]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
-                    problems.append(f"{file.relative_to(ROOT)}:{node.lineno}: {node.name} is {n} lines "
-                                    f"(limit {MAX_FUNCTION_LINES})")
+                    problems.append(
+                        f"{file.relative_to(ROOT)}:{node.lineno}: {node.name} is {n} lines (limit {MAX_FUNCTION_LINES})"
+                    )
     return problems
 
 
@@ -127,8 +134,10 @@ def main() -> int:
     problems += sizes(known)
     for p in problems:
         print(p)
-    print(f"{len(known)} modules, {sum(map(len, graph.values()))} imports between them: "
-          f"{'OK' if not problems else f'{len(problems)} problems'}")
+    print(
+        f"{len(known)} modules, {sum(map(len, graph.values()))} imports between them: "
+        f"{'OK' if not problems else f'{len(problems)} problems'}"
+    )
     return 1 if problems else 0
 
 

@@ -32,8 +32,7 @@ from .config import BuildConfig
 from .data import EditRequest
 from .pipeline import AppendBase, BuildError, _Build
 
-__all__ = ["AppendPlan", "append_edits", "load_with_state", "plan_append", "remove_edits", "save_with_state",
-           "update_edits"]
+__all__ = ["AppendPlan", "append_edits", "load_with_state", "plan_append", "remove_edits", "save_with_state", "update_edits"]
 
 
 @dataclass
@@ -106,12 +105,16 @@ def append_edits(
     plan = plan_append(op, requests)
     if plan.conflicts:
         shown = "; ".join(f"{r.prompt!r} -> {r.target_new!r} (edit {eid})" for r, eid in plan.conflicts[:5])
-        raise BuildError(f"{len(plan.conflicts)} request(s) conflict with edits the operator holds (same prompt "
-                         f"with another target, or an id in use): {shown}. Use update_edits (`aloe update`) to "
-                         "correct a fact")
+        raise BuildError(
+            f"{len(plan.conflicts)} request(s) conflict with edits the operator holds (same prompt "
+            f"with another target, or an id in use): {shown}. Use update_edits (`aloe update`) to "
+            "correct a fact"
+        )
     if plan.already_present:
-        say(f"{len(plan.already_present)} request(s) already in the operator, not added again: "
-            + ", ".join(repr(r.prompt) for r in plan.already_present[:5]))
+        say(
+            f"{len(plan.already_present)} request(s) already in the operator, not added again: "
+            + ", ".join(repr(r.prompt) for r in plan.already_present[:5])
+        )
     if not plan.new:
         say("nothing new to append")
         return op

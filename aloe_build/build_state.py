@@ -57,8 +57,13 @@ class BuildState:
         remap = torch.full((self.n,), -1, dtype=torch.long)
         remap[rows_t] = torch.arange(len(rows_t))
         keep = remap[self.anchor_owner] >= 0
-        return BuildState(self.anchors[keep], remap[self.anchor_owner[keep]], self.worst_positive[rows_t],
-                          self.worst_negative[rows_t], dict(self.config))
+        return BuildState(
+            self.anchors[keep],
+            remap[self.anchor_owner[keep]],
+            self.worst_positive[rows_t],
+            self.worst_negative[rows_t],
+            dict(self.config),
+        )
 
     @staticmethod
     def merge(states: Sequence["BuildState"]) -> "BuildState":
@@ -66,22 +71,35 @@ class BuildState:
         offsets = [0]
         for s in states:
             offsets.append(offsets[-1] + s.n)
-        return BuildState(torch.cat([s.anchors for s in states]),
-                          torch.cat([s.anchor_owner + o for s, o in zip(states, offsets)]),
-                          torch.cat([s.worst_positive for s in states]),
-                          torch.cat([s.worst_negative for s in states]), dict(states[-1].config))
+        return BuildState(
+            torch.cat([s.anchors for s in states]),
+            torch.cat([s.anchor_owner + o for s, o in zip(states, offsets)]),
+            torch.cat([s.worst_positive for s in states]),
+            torch.cat([s.worst_negative for s in states]),
+            dict(states[-1].config),
+        )
 
     def save(self, directory: str | Path, op: AloeOperator) -> None:
         """Write the state beside ``op``'s artifact in ``directory``, bound to ``op``'s hash."""
         self.check(op)
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        save_tensors_atomically({"anchors": self.anchors.float().contiguous(),
-                                 "anchor_owner": self.anchor_owner.long().contiguous(),
-                                 "worst_positive": self.worst_positive.float().contiguous(),
-                                 "worst_negative": self.worst_negative.float().contiguous()}, out / STATE_TENSORS)
-        meta = {"format_version": STATE_VERSION, "operator_hash": op.fingerprint(), "n": self.n,
-                "anchors": int(self.anchors.shape[0]), "config": self.config}
+        save_tensors_atomically(
+            {
+                "anchors": self.anchors.float().contiguous(),
+                "anchor_owner": self.anchor_owner.long().contiguous(),
+                "worst_positive": self.worst_positive.float().contiguous(),
+                "worst_negative": self.worst_negative.float().contiguous(),
+            },
+            out / STATE_TENSORS,
+        )
+        meta = {
+            "format_version": STATE_VERSION,
+            "operator_hash": op.fingerprint(),
+            "n": self.n,
+            "anchors": int(self.anchors.shape[0]),
+            "config": self.config,
+        }
         write_atomically(out / STATE_META, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
 
     @classmethod
@@ -89,16 +107,19 @@ class BuildState:
         """Read and validate the state in ``directory`` for the operator ``op`` loaded from it."""
         d = Path(directory)
         if not (d / STATE_META).is_file() or not (d / STATE_TENSORS).is_file():
-            raise BuildStateError(f"{d} has no build state ({STATE_META}, {STATE_TENSORS}): it was not written by "
-                                  "`aloe build`/`aloe append` of this version, so edits cannot be appended to it; "
-                                  "rebuild it once with `aloe build`")
+            raise BuildStateError(
+                f"{d} has no build state ({STATE_META}, {STATE_TENSORS}): it was not written by "
+                "`aloe build`/`aloe append` of this version, so edits cannot be appended to it; "
+                "rebuild it once with `aloe build`"
+            )
         meta = json.loads((d / STATE_META).read_text())
         if meta.get("format_version") != STATE_VERSION:
-            raise BuildStateError(f"{d / STATE_META}: format_version {meta.get('format_version')!r}, "
-                                  f"expected {STATE_VERSION}")
+            raise BuildStateError(f"{d / STATE_META}: format_version {meta.get('format_version')!r}, expected {STATE_VERSION}")
         if meta.get("operator_hash") != op.fingerprint():
-            raise BuildStateError(f"{d / STATE_META} belongs to operator {meta.get('operator_hash')}, not to the "
-                                  f"operator in {d} ({op.fingerprint()}): the artifact was changed after its build")
+            raise BuildStateError(
+                f"{d / STATE_META} belongs to operator {meta.get('operator_hash')}, not to the "
+                f"operator in {d} ({op.fingerprint()}): the artifact was changed after its build"
+            )
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 

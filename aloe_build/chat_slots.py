@@ -51,5 +51,4 @@ def chat_slot_owner(owner: torch.Tensor, is_chat: torch.Tensor, n: int) -> torch
 
 def open_at_of(entries: Sequence[Mapping[str, Any]], cfg: BuildConfig) -> torch.Tensor:
     """Each slot's ``calibration_open_at``: the configured one, 1 (the worst anchor) for chat slots."""
-    return torch.tensor([1.0 if is_chat_entry(e) else cfg.calibration_open_at for e in entries],
-                        dtype=torch.float64)
+    return torch.tensor([1.0 if is_chat_entry(e) else cfg.calibration_open_at for e in entries], dtype=torch.float64)

@@ -46,8 +46,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path,
-                            metadata: dict[str, str] | None = None) -> None:
+def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
     """A safetensors file (with its string ``metadata``) written through :func:`write_atomically`."""
     from safetensors.torch import save_file
 

@@ -31,9 +31,9 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + CHUNK_SEQUENCES)) for lo in range(0, n, CHUNK_SEQUENCES)]
 
 
-def _pieces(parts: PartStore | None, name: str, n: int, desc: str,
-            compute: Callable[[int, int, Tick], dict[str, torch.Tensor]]
-            ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+def _pieces(
+    parts: PartStore | None, name: str, n: int, desc: str, compute: Callable[[int, int, Tick], dict[str, torch.Tensor]]
+) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
     """``(lo, hi, compute(lo, hi, tick))`` for each chunk of ``n`` items, read back from ``parts``
     where saved. The bar starts at the items already saved, so that its rate, and the time left it
     shows, come from the work of this run only; ``tick`` advances it within a chunk."""
@@ -55,9 +55,18 @@ def _pieces(parts: PartStore | None, name: str, n: int, desc: str,
             bar.update(0 if read_back else max(0, hi - lo - ticked[0]))
 
 
-def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequences: Sequence[Sequence[int]],
-                   layer: int, positions: Sequence[Sequence[int]] | None, desc: str,
-                   pack_tokens: int = PACK_TOKENS, trees_per_pass: int = TREES_PER_PASS) -> StateBatch:
+def chunked_states(
+    parts: PartStore | None,
+    name: str,
+    model,
+    tokenizer,
+    sequences: Sequence[Sequence[int]],
+    layer: int,
+    positions: Sequence[Sequence[int]] | None,
+    desc: str,
+    pack_tokens: int = PACK_TOKENS,
+    trees_per_pass: int = TREES_PER_PASS,
+) -> StateBatch:
     """:func:`aloe_build.states.collect_states` chunk by chunk, filling one preallocated result.
 
     The sequences are taken in sorted order, so that those with a common beginning fall in one
@@ -71,9 +80,16 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
 
     def compute(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
         idx = order[lo:hi]
-        got = collect_states_tree(model, tokenizer, [sequences[i] for i in idx], layer,
-                                  None if positions is None else [positions[i] for i in idx],
-                                  pack_tokens, trees_per_pass, tick=tick)
+        got = collect_states_tree(
+            model,
+            tokenizer,
+            [sequences[i] for i in idx],
+            layer,
+            None if positions is None else [positions[i] for i in idx],
+            pack_tokens,
+            trees_per_pass,
+            tick=tick,
+        )
         return {"states": got.states}
 
     # the parts of the sorted order have their own name: chunks saved in another order are not read back
@@ -81,24 +97,31 @@ def chunked_states(parts: PartStore | None, name: str, model, tokenizer, sequenc
         at = 0
         for i in order[lo:hi]:
             rows = int(offsets[i + 1] - offsets[i])
-            states[int(offsets[i]): int(offsets[i + 1])] = piece["states"][at: at + rows]
+            states[int(offsets[i]) : int(offsets[i + 1])] = piece["states"][at : at + rows]
             at += rows
     return StateBatch(states, offsets)
 
 
-def chunked_tokens_and_states(parts: PartStore | None, name: str, n: int,
-                              compute: Callable[[int, int, Tick], tuple[list[list[int]], list[torch.Tensor]]],
-                              desc: str, d: int) -> tuple[list[list[int]], StateBatch]:
+def chunked_tokens_and_states(
+    parts: PartStore | None,
+    name: str,
+    n: int,
+    compute: Callable[[int, int, Tick], tuple[list[list[int]], list[torch.Tensor]]],
+    desc: str,
+    d: int,
+) -> tuple[list[list[int]], StateBatch]:
     """``compute(lo, hi, tick)`` (a list of ints for each of items lo..hi-1, such as its generated
     tokens, and a block of ``d``-dimensional states for each) chunk by chunk, each chunk saved;
     returns the lists and the states of all items in order."""
 
     def packed(lo: int, hi: int, tick: Tick) -> dict[str, torch.Tensor]:
         lists, states = compute(lo, hi, tick)
-        return {"tokens": torch.tensor([t for xs in lists for t in xs], dtype=torch.long),
-                "lengths": torch.tensor([len(xs) for xs in lists], dtype=torch.long),
-                "states": torch.cat(states) if states else torch.zeros(0, d),
-                "rows": torch.tensor([len(x) for x in states], dtype=torch.long)}
+        return {
+            "tokens": torch.tensor([t for xs in lists for t in xs], dtype=torch.long),
+            "lengths": torch.tensor([len(xs) for xs in lists], dtype=torch.long),
+            "states": torch.cat(states) if states else torch.zeros(0, d),
+            "rows": torch.tensor([len(x) for x in states], dtype=torch.long),
+        }
 
     out: list[list[int]] = []
     blocks: list[torch.Tensor] = []
@@ -106,7 +129,7 @@ def chunked_tokens_and_states(parts: PartStore | None, name: str, n: int,
     for _lo, _hi, piece in _pieces(parts, name, n, desc, packed):
         flat = piece["tokens"].tolist()
         ends = piece["lengths"].cumsum(0).tolist()
-        out += [flat[(ends[i - 1] if i else 0): e] for i, e in enumerate(ends)]
+        out += [flat[(ends[i - 1] if i else 0) : e] for i, e in enumerate(ends)]
         blocks.append(piece["states"])
         rows.append(piece["rows"])
     offsets = torch.zeros(n + 1, dtype=torch.long)

@@ -44,36 +44,81 @@ class ChatConfig:
     """Edits that fire when the model is asked through its chat template (``BuildConfig.chat``).
     Every field but ``positives_chat`` only matters when it is on."""
 
-    positives_chat: bool = _at(3, False, (
-        "The request as the user turn of the model's chat template (its default system prompt), the "
-        "target as the start of the answer: required anchors along the target and training sequences of "
-        "the writes, so that an edit fires as a served chat model is asked."))
-    negatives_chat_pool: int = _at(3, 400, (
-        "Chat-form negatives: the requests and locality prompts of this many corpus records asked through "
-        "the template (every position after the shared header, and the unedited answer's first tokens), "
-        "shared by every edit and cached like the pool."))
-    negatives_chat_own: int = _at(3, 6, (
-        "This many of each edit's own negative prompts, one of each kind in turn, asked through the "
-        "template: negatives of its slot."))
-    chat_systems: tuple[str, ...] = _at(3, (), (
-        "More system prompts to build under (a deployment's own): each request is also asked after each "
-        "of them, and the chat pool's records are shared out among the default and these prompts."))
-    negatives_chat_answer_tokens: int = _at(3, 32, (
-        "Tokens of the unedited model's answers to chat-form negatives, as far as a served answer is read "
-        "(the chat evaluation reads 32)."))
-    negatives_chat_systems: int = _at(3, 32, (
-        "The template's header after this many generic system prompts, every position, with a few pool "
-        "questions and their answers: shared negatives, so that no slot opens on a system turn."))
-    negatives_chat_questions: int = _at(3, 400, (
-        "Generic questions asked through the template, with their answers: a question-form request is "
-        "addressed at the assistant header right after its question."))
-    chat_slots: bool = _at(4, False, (
-        "Each edit's chat forms get a slot of their own (after the requests' slots, with the edit's ids "
-        "and form 'chat'), refined, calibrated at its worst anchor and written on its own. Doubles the "
-        "slots (docs/results.md, 'One slot for the request, one for its chat forms')."))
-    target_chat_forms: bool = _at(6, True, (
-        "Fit each write target on the request and its chat forms together (KnowEdit recent: chat efficacy "
-        "0.712 off, 0.979 on); off: the request alone, the chat forms left to stage 8."))
+    positives_chat: bool = _at(
+        3,
+        False,
+        (
+            "The request as the user turn of the model's chat template (its default system prompt), the "
+            "target as the start of the answer: required anchors along the target and training sequences of "
+            "the writes, so that an edit fires as a served chat model is asked."
+        ),
+    )
+    negatives_chat_pool: int = _at(
+        3,
+        400,
+        (
+            "Chat-form negatives: the requests and locality prompts of this many corpus records asked through "
+            "the template (every position after the shared header, and the unedited answer's first tokens), "
+            "shared by every edit and cached like the pool."
+        ),
+    )
+    negatives_chat_own: int = _at(
+        3,
+        6,
+        (
+            "This many of each edit's own negative prompts, one of each kind in turn, asked through the "
+            "template: negatives of its slot."
+        ),
+    )
+    chat_systems: tuple[str, ...] = _at(
+        3,
+        (),
+        (
+            "More system prompts to build under (a deployment's own): each request is also asked after each "
+            "of them, and the chat pool's records are shared out among the default and these prompts."
+        ),
+    )
+    negatives_chat_answer_tokens: int = _at(
+        3,
+        32,
+        (
+            "Tokens of the unedited model's answers to chat-form negatives, as far as a served answer is read "
+            "(the chat evaluation reads 32)."
+        ),
+    )
+    negatives_chat_systems: int = _at(
+        3,
+        32,
+        (
+            "The template's header after this many generic system prompts, every position, with a few pool "
+            "questions and their answers: shared negatives, so that no slot opens on a system turn."
+        ),
+    )
+    negatives_chat_questions: int = _at(
+        3,
+        400,
+        (
+            "Generic questions asked through the template, with their answers: a question-form request is "
+            "addressed at the assistant header right after its question."
+        ),
+    )
+    chat_slots: bool = _at(
+        4,
+        False,
+        (
+            "Each edit's chat forms get a slot of their own (after the requests' slots, with the edit's ids "
+            "and form 'chat'), refined, calibrated at its worst anchor and written on its own. Doubles the "
+            "slots (docs/results.md, 'One slot for the request, one for its chat forms')."
+        ),
+    )
+    target_chat_forms: bool = _at(
+        6,
+        True,
+        (
+            "Fit each write target on the request and its chat forms together (KnowEdit recent: chat efficacy "
+            "0.712 off, 0.979 on); off: the request alone, the chat forms left to stage 8."
+        ),
+    )
 
     def __post_init__(self) -> None:
         # ``--set chat_systems=TEXT`` gives one prompt, a JSON list several; a tuple either way
@@ -85,8 +130,10 @@ class ChatConfig:
         if self.chat_slots and not self.positives_chat:
             raise ValueError("BuildConfig: chat_slots needs positives_chat (the chat forms are its anchors)")
         if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):
-            raise ValueError(f"BuildConfig: negatives_chat_systems must be between 0 and "
-                             f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)")
+            raise ValueError(
+                f"BuildConfig: negatives_chat_systems must be between 0 and "
+                f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)"
+            )
 
 
 @dataclasses.dataclass
@@ -94,41 +141,87 @@ class ExperimentalConfig:
     """Measured experiments, off by default (``BuildConfig.experimental``); setting one warns.
     Their measured effects are in docs/experiments.md."""
 
-    encoder_batch_negatives: bool = _at(1, False, (
-        "Each key also ranks its paraphrase above the locality inputs and same-subject prompts of every "
-        "other batch item, not only its own."))
-    encoder_threshold_weight: float = _at(1, 0.0, (
-        "Weight of a logistic loss of every score of a batch against one learned threshold. With "
-        "encoder_batch_negatives the mechanism study improves, but a 6-edit build with a short stage 1 "
-        "made 2 of its 6 edits instead of 5 or more."))
-    encoder_dropout: float = _at(1, 0.0, (
-        "Share of each training state's coordinates zeroed at every step before it is renormalized "
-        "(narrows the encoder's train/new gap)."))
-    encoder_members: int = _at(1, 1, (
-        "Encoders trained from different seeds whose addresses are averaged (still one address per edit)."))
-    anchor_predicted_targets: bool = _at(3, False, (
-        "Keep as anchors the target positions whose token the unedited model already predicts."))
-    negatives_paraphrases: int = _at(3, 0, (
-        "Rewordings of this many corpus requests (not about an edited subject) in the shared negatives, "
-        "so that a slot stays shut on other subjects' facts asked in new words."))
-    positives_same_relation: int = _at(3, 0, (
-        "Paraphrase positives: other templates of the edit's relation filled with its subject; soft "
-        "anchors in stages 4-5 and training sequences where their gate opens. Raises generalization at "
-        "a cost in locality."))
-    positives_prefix_pool: int = _at(3, 0, (
-        "Draw the context positives' statements from this many corpus statements picked once per build "
-        "(0: from all), so that stage 3 shares their prefixes."))
-    refine_flat_stop: float = _at(4, 0.0, (
-        "Stop refinement at a re-mining once the loss there is within this fraction below the loss at "
-        "the previous one (0: run until every slot meets its margin, refine_steps at most)."))
-    refine_pull: float = _at(4, 0.0, (
-        "A second refinement run that pulls every address this fraction of refine_lr back towards its "
-        "stage-2 address each step; each slot keeps the pulled address where it still separates."))
-    refine_soft_weight: float = _at(4, 1.0, (
-        "Weight of the paraphrase positives' own hinges (with positives_same_relation)."))
-    calibration_soft_floor: float = _at(5, 0.5, (
-        "A paraphrase positive sets where its gate opens only if it clears the worst negative by this "
-        "fraction of the gap to the worst request anchor (with positives_same_relation)."))
+    encoder_batch_negatives: bool = _at(
+        1,
+        False,
+        (
+            "Each key also ranks its paraphrase above the locality inputs and same-subject prompts of every "
+            "other batch item, not only its own."
+        ),
+    )
+    encoder_threshold_weight: float = _at(
+        1,
+        0.0,
+        (
+            "Weight of a logistic loss of every score of a batch against one learned threshold. With "
+            "encoder_batch_negatives the mechanism study improves, but a 6-edit build with a short stage 1 "
+            "made 2 of its 6 edits instead of 5 or more."
+        ),
+    )
+    encoder_dropout: float = _at(
+        1,
+        0.0,
+        (
+            "Share of each training state's coordinates zeroed at every step before it is renormalized "
+            "(narrows the encoder's train/new gap)."
+        ),
+    )
+    encoder_members: int = _at(
+        1, 1, ("Encoders trained from different seeds whose addresses are averaged (still one address per edit).")
+    )
+    anchor_predicted_targets: bool = _at(
+        3, False, ("Keep as anchors the target positions whose token the unedited model already predicts.")
+    )
+    negatives_paraphrases: int = _at(
+        3,
+        0,
+        (
+            "Rewordings of this many corpus requests (not about an edited subject) in the shared negatives, "
+            "so that a slot stays shut on other subjects' facts asked in new words."
+        ),
+    )
+    positives_same_relation: int = _at(
+        3,
+        0,
+        (
+            "Paraphrase positives: other templates of the edit's relation filled with its subject; soft "
+            "anchors in stages 4-5 and training sequences where their gate opens. Raises generalization at "
+            "a cost in locality."
+        ),
+    )
+    positives_prefix_pool: int = _at(
+        3,
+        0,
+        (
+            "Draw the context positives' statements from this many corpus statements picked once per build "
+            "(0: from all), so that stage 3 shares their prefixes."
+        ),
+    )
+    refine_flat_stop: float = _at(
+        4,
+        0.0,
+        (
+            "Stop refinement at a re-mining once the loss there is within this fraction below the loss at "
+            "the previous one (0: run until every slot meets its margin, refine_steps at most)."
+        ),
+    )
+    refine_pull: float = _at(
+        4,
+        0.0,
+        (
+            "A second refinement run that pulls every address this fraction of refine_lr back towards its "
+            "stage-2 address each step; each slot keeps the pulled address where it still separates."
+        ),
+    )
+    refine_soft_weight: float = _at(4, 1.0, ("Weight of the paraphrase positives' own hinges (with positives_same_relation)."))
+    calibration_soft_floor: float = _at(
+        5,
+        0.5,
+        (
+            "A paraphrase positive sets where its gate opens only if it clears the worst negative by this "
+            "fraction of the gap to the worst request anchor (with positives_same_relation)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.encoder_dropout < 1.0:
@@ -157,9 +250,14 @@ class BuildConfig:
     batch_size: int = _at(0, 32, "Prompts per forward pass when collecting states.")
     compute_dtype: str = _at(6, "float32", "'bfloat16' runs the write stages (6, 8) under autocast.")
 
-    encoder_corpus: str | None = _at(1, None, (
-        "CounterFact-style file the address encoder trains on (disjoint from the edited stream); None: "
-        "the bundled first 4,000 records of CounterFact train."))
+    encoder_corpus: str | None = _at(
+        1,
+        None,
+        (
+            "CounterFact-style file the address encoder trains on (disjoint from the edited stream); None: "
+            "the bundled first 4,000 records of CounterFact train."
+        ),
+    )
     encoder_records: int = _at(1, 4000, "Corpus records used (states are collected once per model and layer).")
     encoder_dim: int = _at(1, 256, "p: rows of Q and K.")
     encoder_steps: int = _at(1, 1500, "Training steps of the encoder.")
@@ -168,58 +266,100 @@ class BuildConfig:
     encoder_margin: float = _at(1, 0.2, "Locality and same-subject margin m, in score units.")
     encoder_ortho: float = _at(1, 0.1, "Weight of the key orthogonality penalty.")
     encoder_same_subject: int = _at(1, 2, "Same-subject other-relation prompts per corpus record.")
-    encoder_same_subject_keys: bool = _at(1, True, (
-        "The same-subject prompts also compete as keys: each paraphrase must pick its own request over "
-        "keys of its subject under other relations (the paper's 16-way test)."))
+    encoder_same_subject_keys: bool = _at(
+        1,
+        True,
+        (
+            "The same-subject prompts also compete as keys: each paraphrase must pick its own request over "
+            "keys of its subject under other relations (the paper's 16-way test)."
+        ),
+    )
     encoder_cache: str | None = _at(1, None, "Directory of cached encoders; None: $ALOE_CACHE/encoders.")
 
     max_target_tokens: int = _at(3, 32, "Target tokens that get anchor states and are trained in stages 6-8.")
     negative_pool_records: int = _at(3, 800, "Corpus records whose prompts (all positions) are shared negatives.")
-    negative_continuation_tokens: int = _at(3, 16, (
-        "Greedy continuations of this many tokens by the unedited model, appended to the pool's prompts "
-        "and to every request: negatives too, so that slots stay shut on the tokens a model writes."))
-    negatives_questions: int = _at(3, 800, (
-        "Generic questions about corpus subjects in the shared pool with their continuations, so that a "
-        "slot stays shut on unrelated questions and their answers."))
-    negatives_dtype: str = _at(3, "float32", (
-        "Precision of the passes that make each edit's negatives; 'bfloat16' is faster on CPUs with AMX or "
-        "AVX512-BF16 (and much slower without them)."))
+    negative_continuation_tokens: int = _at(
+        3,
+        16,
+        (
+            "Greedy continuations of this many tokens by the unedited model, appended to the pool's prompts "
+            "and to every request: negatives too, so that slots stay shut on the tokens a model writes."
+        ),
+    )
+    negatives_questions: int = _at(
+        3,
+        800,
+        (
+            "Generic questions about corpus subjects in the shared pool with their continuations, so that a "
+            "slot stays shut on unrelated questions and their answers."
+        ),
+    )
+    negatives_dtype: str = _at(
+        3,
+        "float32",
+        (
+            "Precision of the passes that make each edit's negatives; 'bfloat16' is faster on CPUs with AMX or "
+            "AVX512-BF16 (and much slower without them)."
+        ),
+    )
     negatives_same_subject: int = _at(3, 3, "Other-relation templates filled with the edit's subject.")
     negatives_same_relation: int = _at(3, 3, "The edit's template filled with other corpus subjects.")
     negatives_stream_templates: int = _at(3, 8, "Other requests' templates of the stream filled with the edit's subject.")
     negatives_stream_subjects: int = _at(3, 8, "The edit's template filled with other subjects of the stream.")
     negatives_word_swaps: int = _at(3, 8, "The edit's template with one relation word swapped for another.")
-    negatives_exclusions: int = _at(3, 3, (
-        "The request reworded to ask for a value other than its target ('The occupation of X, which is not "
-        "<target>, is'), negatives of its own slot."))
-    positives_prefixed: int = _at(3, 4, (
-        "Context positives: the request after this many true corpus statements, required anchors at the "
-        "last prompt token, so that an edit fires after unrelated text."))
+    negatives_exclusions: int = _at(
+        3,
+        3,
+        (
+            "The request reworded to ask for a value other than its target ('The occupation of X, which is not "
+            "<target>, is'), negatives of its own slot."
+        ),
+    )
+    positives_prefixed: int = _at(
+        3,
+        4,
+        (
+            "Context positives: the request after this many true corpus statements, required anchors at the "
+            "last prompt token, so that an edit fires after unrelated text."
+        ),
+    )
 
     refine_steps: int = _at(4, 3000, "Refinement runs until every slot clears its margin, this many steps at most.")
     refine_lr: float = _at(4, 0.01, "Learning rate of the refinement.")
     refine_margin: float = _at(4, 0.1, "m_i as a fraction of |v_i|.")
     refine_hard_negatives: int = _at(4, 8, "Negatives per edit kept between re-minings (most of a step's cost).")
     refine_remine_every: int = _at(4, 250, "Steps between re-minings of the hardest negatives.")
-    refine_candidates: int = _at(4, 512, (
-        "Shared negatives kept per slot at its full mining; a slot is mined in full again once its address "
-        "has moved far enough, so every re-mining is exact (0: every re-mining scores the whole pool)."))
-    refine_active_every: int = _at(4, 25, (
-        "Steps run on the slots whose hinge is not yet met, re-selected this often (0: every slot, every step)."))
+    refine_candidates: int = _at(
+        4,
+        512,
+        (
+            "Shared negatives kept per slot at its full mining; a slot is mined in full again once its address "
+            "has moved far enough, so every re-mining is exact (0: every re-mining scores the whole pool)."
+        ),
+    )
+    refine_active_every: int = _at(
+        4, 25, ("Steps run on the slots whose hinge is not yet met, re-selected this often (0: every slot, every step).")
+    )
 
     open_gate: float = _at(5, 0.9, "Gate of the worst positive of a separable slot.")
     calibration_negative_slack: float = _at(5, 2.0, "Logits by which the worst negative sits below the dead zone.")
-    calibration_open_at: float = _at(5, 1.0, (
-        "Where, from the worst negative (0) to the worst anchor (1), a separable slot's gate reaches "
-        "open_gate; lower values trade locality for generalization."))
+    calibration_open_at: float = _at(
+        5,
+        1.0,
+        (
+            "Where, from the worst negative (0) to the worst anchor (1), a separable slot's gate reaches "
+            "open_gate; lower values trade locality for generalization."
+        ),
+    )
     inseparable_temperature: float = _at(5, 8.0, "Initial alpha of inseparable slots, per unit |v|.")
     calibration_steps: int = _at(5, 200, "Steps of the inseparable slots' midpoint fit.")
 
     target_steps: int = _at(6, 25, "Steps of each batch of write targets.")
     target_max_steps: int = _at(6, 50, "Further steps, up to this total, for edits whose target is not yet produced.")
     target_lr: float = _at(6, 0.5, "Learning rate of the write targets.")
-    target_stop_nll: float = _at(6, 0.02, (
-        "An edit leaves its batch early once its target is produced and its mean NLL is at most this (0: never)."))
+    target_stop_nll: float = _at(
+        6, 0.02, ("An edit leaves its batch early once its target is produced and its mean NLL is at most this (0: never).")
+    )
     target_l2: float = _at(6, 1e-4, "L2 weight on each write target: smaller writes, higher locality.")
     target_rank: int = _at(6, 16, "Rank of each edit's down-projection change before it is evaluated on the anchor.")
     target_batch: int = _at(6, 64, "Edits per batch of write targets.")
@@ -230,12 +370,12 @@ class BuildConfig:
     finetune_steps: int = _at(8, 100, "NLL fine-tuning steps of the writes (V, tau, alpha frozen).")
     finetune_lr: float = _at(8, 0.05, "Learning rate of the fine-tuning.")
     finetune_batch: int = _at(8, 64, "Edits per fine-tuning step.")
-    finetune_rescore_every: int = _at(8, 25, (
-        "Every this many steps, draw only from the sequences whose target is not yet produced (0: from all)."))
+    finetune_rescore_every: int = _at(
+        8, 25, ("Every this many steps, draw only from the sequences whose target is not yet produced (0: from all).")
+    )
 
     chat: ChatConfig = dataclasses.field(default_factory=ChatConfig, metadata={"group": True})
-    experimental: ExperimentalConfig = dataclasses.field(default_factory=ExperimentalConfig,
-                                                         metadata={"group": True})
+    experimental: ExperimentalConfig = dataclasses.field(default_factory=ExperimentalConfig, metadata={"group": True})
 
     def __post_init__(self) -> None:
         from .forward import autocast_dtype  # the one list of pass precisions
@@ -247,10 +387,15 @@ class BuildConfig:
                 raise ValueError(f"BuildConfig: {name}: {err}") from None
         changed = self.experimental.changed()
         if changed:
-            warnings.warn(f"BuildConfig: experimental settings {changed} (off by default; measured effects in "
-                          "docs/experiments.md)", stacklevel=4)
-        unused = [f.name for f in dataclasses.fields(ChatConfig)
-                  if f.name != "positives_chat" and getattr(self.chat, f.name) != f.default]
+            warnings.warn(
+                f"BuildConfig: experimental settings {changed} (off by default; measured effects in docs/experiments.md)",
+                stacklevel=4,
+            )
+        unused = [
+            f.name
+            for f in dataclasses.fields(ChatConfig)
+            if f.name != "positives_chat" and getattr(self.chat, f.name) != f.default
+        ]
         if unused and not self.chat.positives_chat:
             warnings.warn(f"BuildConfig: {unused} have no effect without positives_chat", stacklevel=4)
 

@@ -74,12 +74,11 @@ class Corpus:
         for r in self.records:
             group = self.group_of_template[r.template]
             others = self.other_relation_prompts(r.subject, group, same_subject, rng, groups)
-            self.items.append(
-                CorpusItem(r.prompt, r.rephrases[0], r.locality[0].prompt, others, group, r.subject)
-            )
+            self.items.append(CorpusItem(r.prompt, r.rephrases[0], r.locality[0].prompt, others, group, r.subject))
 
-    def other_relation_prompts(self, subject: str, group: str, k: int, rng: random.Random,
-                               groups: list[str] | None = None) -> list[str]:
+    def other_relation_prompts(
+        self, subject: str, group: str, k: int, rng: random.Random, groups: list[str] | None = None
+    ) -> list[str]:
         """``k`` prompts about ``subject`` under templates of other relation groups."""
         groups = groups or list(self.templates)
         out: list[str] = []
@@ -106,8 +105,7 @@ class Corpus:
             return list(self.statements)
         return rng.sample(self.statements, size)
 
-    def prefixed_prompts(self, prompt: str, k: int, rng: random.Random,
-                         statements: Sequence[str] | None = None) -> list[str]:
+    def prefixed_prompts(self, prompt: str, k: int, rng: random.Random, statements: Sequence[str] | None = None) -> list[str]:
         """``prompt`` after ``k`` different statements ("<statement> <prompt>", as many as there are)
         of ``statements`` (default: every corpus statement): the request in context, which must still
         reach the edit."""
@@ -161,7 +159,7 @@ def word_swapped_templates(template: str, words: Sequence[str], k: int, rng: ran
     while spots and pool and len(out) < k and tries < 20 * k:
         tries += 1
         i = rng.choice(spots)
-        out.setdefault(" ".join(tokens[:i] + [rng.choice(pool)] + tokens[i + 1:]), None)
+        out.setdefault(" ".join(tokens[:i] + [rng.choice(pool)] + tokens[i + 1 :]), None)
     return list(out)
 
 

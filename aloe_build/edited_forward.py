@@ -70,10 +70,19 @@ class EditedForward:
     :data:`aloe_build.forward.PASS_DTYPES`).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
-                 op: AloeOperator, batch_size: int = 32, precision: str = "float32",
-                 desc: str = "gates and layer outputs", owners: Sequence[int] | None = None,
-                 cache_prefix: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        seqs: Sequence[Sequence[int]],
+        target_lens: Sequence[int],
+        op: AloeOperator,
+        batch_size: int = 32,
+        precision: str = "float32",
+        desc: str = "gates and layer outputs",
+        owners: Sequence[int] | None = None,
+        cache_prefix: bool = True,
+    ):
         self.model, self.seqs, self.target_lens = model, [list(s) for s in seqs], list(target_lens)
         self.layer, self.d_out, self.n_slots = op.layer, op.d_out, op.n
         self.owners = list(owners) if owners is not None else list(range(len(seqs)))
@@ -107,7 +116,7 @@ class EditedForward:
         try:
             with capture_down_proj_input(self.model, self.layer, stop=False) as box:
                 for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-                    idx = order[start: start + batch_size]
+                    idx = order[start : start + batch_size]
                     inputs = batch_inputs([self.seqs[i] for i in idx], self.pid, self.device)
                     with self._autocast():
                         h = run_captured(self.model, box, **inputs)
@@ -139,17 +148,18 @@ class EditedForward:
             self.split[i] = max(0, min(first_open, T - scored))
         with_prefix = sorted((i for i in order if self.split[i]), key=lambda i: self.split[i])
         for start in range(0, len(with_prefix), batch_size):
-            rows = with_prefix[start: start + batch_size]
+            rows = with_prefix[start : start + batch_size]
             _, mask, positions = left_pad([[0] * self.split[i] for i in rows], 0, self.device)
             W = mask.shape[1]
             first = self.hidden[rows[0]]
             hidden = torch.zeros(len(rows), W, first.shape[-1], device=self.device, dtype=first.dtype)
             for b, i in enumerate(rows):
-                hidden[b, W - self.split[i]:] = self.hidden[i][: self.split[i]].to(self.device)
+                hidden[b, W - self.split[i] :] = self.hidden[i][: self.split[i]].to(self.device)
             cache = DynamicCache()
             with torch.no_grad(), self._autocast(), self._upper_layers():
-                self.stack(inputs_embeds=hidden, attention_mask=mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True)
+                self.stack(
+                    inputs_embeds=hidden, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+                )
             kv = [cache_layer_kv(cache, j) for j in range(len(self.layers) - self.layer - 1)]
             for b, i in enumerate(rows):
                 real = slice(W - self.split[i], W)
@@ -183,7 +193,7 @@ class EditedForward:
             sg = self.gates[i]
             hit = (sg.slots == self.owners[i]).nonzero()
             if hit.numel():
-                out[b, W - sg.gates.shape[0]:] = sg.gates[:, int(hit[0, 0])]
+                out[b, W - sg.gates.shape[0] :] = sg.gates[:, int(hit[0, 0])]
         return out.to(self.device)
 
     def all_gates(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +204,7 @@ class EditedForward:
         for b, i in enumerate(rows):
             sg = self.gates[i]
             if sg.slots.numel():
-                G[b, W - sg.gates.shape[0]:, torch.searchsorted(slots, sg.slots)] = sg.gates
+                G[b, W - sg.gates.shape[0] :, torch.searchsorted(slots, sg.slots)] = sg.gates
         return slots.to(self.device), G.to(self.device)
 
     # ---- forward --------------------------------------------------------------------------
@@ -218,7 +228,7 @@ class EditedForward:
     def _upper_layers(self) -> Iterator[None]:
         """The stack cut to the layers above L, their attention renumbered from 0 (their index in a cache)."""
         full = getattr(self.stack, self.layers_attr)
-        upper = list(full)[self.layer + 1:]
+        upper = list(full)[self.layer + 1 :]
         attentions = [a for a in (getattr(m, "self_attn", None) for m in upper) if hasattr(a, "layer_idx")]
         numbers = [a.layer_idx for a in attentions]
         setattr(self.stack, self.layers_attr, nn.ModuleList(upper))
@@ -253,8 +263,7 @@ class EditedForward:
                     handle.remove()
         return out[:, -keep:]
 
-    def _upper_pass(self, rows: Sequence[int], inputs: dict[str, torch.Tensor], residual: torch.Tensor
-                    ) -> torch.Tensor:
+    def _upper_pass(self, rows: Sequence[int], inputs: dict[str, torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
         """Last hidden states (B, Ws, d) of the positions after each row's cached prefix (left-padded)."""
         W = inputs["input_ids"].shape[1]
         splits = [self.split[i] for i in rows]
@@ -266,16 +275,20 @@ class EditedForward:
         mask = torch.zeros(len(rows), wp + ws, dtype=torch.long, device=self.device)
         positions = torch.zeros(len(rows), ws, dtype=torch.long, device=self.device)
         for b, (i, s, r) in enumerate(zip(rows, splits, rests)):
-            hidden[b, ws - r:] = self.hidden[i][s:].to(self.device)
-            add[b, ws - r:] = residual[b, W - r:]
-            mask[b, wp - s: wp] = 1
-            mask[b, wp + ws - r:] = 1
-            positions[b, ws - r:] = torch.arange(s, s + r, device=self.device)
-        cache = left_padded_cache([self.prefix_kv[i] if s else [] for i, s in zip(rows, splits)], wp,
-                                  self.device) if wp else None
+            hidden[b, ws - r :] = self.hidden[i][s:].to(self.device)
+            add[b, ws - r :] = residual[b, W - r :]
+            mask[b, wp - s : wp] = 1
+            mask[b, wp + ws - r :] = 1
+            positions[b, ws - r :] = torch.arange(s, s + r, device=self.device)
+        cache = left_padded_cache([self.prefix_kv[i] if s else [] for i, s in zip(rows, splits)], wp, self.device) if wp else None
         with self._upper_layers():
-            return self.stack(inputs_embeds=hidden + add.to(hidden.dtype), attention_mask=mask, position_ids=positions,
-                              past_key_values=cache, use_cache=cache is not None).last_hidden_state
+            return self.stack(
+                inputs_embeds=hidden + add.to(hidden.dtype),
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=cache is not None,
+            ).last_hidden_state
 
     def nll(self, rows: Sequence[int], residual: torch.Tensor) -> torch.Tensor:
         """(B,) mean NLL of each row's target tokens."""
@@ -290,20 +303,35 @@ class EditedForward:
         row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
         # logits at position p predict token p+1: the last n tokens come from the n positions before them
         at = torch.cat([torch.arange(K - n - 1, K - 1) for n in lengths.tolist()])
-        target = torch.tensor([t for i in rows for t in self.seqs[i][-self.target_lens[i]:]], device=hidden.device)
+        target = torch.tensor([t for i in rows for t in self.seqs[i][-self.target_lens[i] :]], device=hidden.device)
         # the vocabulary GEMM only where a target token is predicted, and one gather for the whole batch
         logits = self.model.get_output_embeddings()(hidden[row.to(hidden.device), at.to(hidden.device)]).float()
         token_nll = F.cross_entropy(logits, target, reduction="none")
         row = row.to(hidden.device)
         nll = torch.zeros(len(rows), device=hidden.device).index_add(0, row, token_nll) / lengths.to(hidden.device)
-        missed = torch.zeros(len(rows), device=hidden.device).index_add(
-            0, row, (logits.detach().argmax(-1) != target).float())
+        missed = torch.zeros(len(rows), device=hidden.device).index_add(0, row, (logits.detach().argmax(-1) != target).float())
         return nll, (missed == 0).cpu()
 
 
-def edited_forward(model, tokenizer, seqs: Sequence[Sequence[int]], target_lens: Sequence[int],
-                   owners: Sequence[int], op: AloeOperator, cfg: BuildConfig) -> EditedForward:
+def edited_forward(
+    model,
+    tokenizer,
+    seqs: Sequence[Sequence[int]],
+    target_lens: Sequence[int],
+    owners: Sequence[int],
+    op: AloeOperator,
+    cfg: BuildConfig,
+) -> EditedForward:
     """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then).
     Sequence i < op.n is slot i's request; later ones are extra sequences of slot ``owners[i]``."""
-    return EditedForward(model, tokenizer, seqs, target_lens, op, cfg.batch_size, cfg.compute_dtype,
-                         desc="stages 6-8: gates and layer outputs", owners=owners)
+    return EditedForward(
+        model,
+        tokenizer,
+        seqs,
+        target_lens,
+        op,
+        cfg.batch_size,
+        cfg.compute_dtype,
+        desc="stages 6-8: gates and layer outputs",
+        owners=owners,
+    )

@@ -67,15 +67,19 @@ def in_precision(model: nn.Module, name: str) -> contextlib.AbstractContextManag
         return contextlib.nullcontext()
     device = model_device(model)
     if device.type == "cpu" and dtype == torch.bfloat16 and not fast_bf16_cpu():
-        warnings.warn("this CPU has no bfloat16 instructions: bfloat16 passes are emulated and several times "
-                      "slower than float32; set this precision to float32 here", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "this CPU has no bfloat16 instructions: bfloat16 passes are emulated and several times "
+            "slower than float32; set this precision to float32 here",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return torch.autocast(device.type, dtype=dtype)
 
 
 def batches(order: list[int], size: int) -> Iterable[list[int]]:
     """Consecutive chunks of ``order`` of at most ``size`` items."""
     for i in range(0, len(order), size):
-        yield order[i: i + size]
+        yield order[i : i + size]
 
 
 def progress_bar(total: int, desc: str, progress: bool):
@@ -161,12 +165,11 @@ def teacher_forced(
                 ids, mask, pos = left_pad(full, pad_id, device)
                 T = ids.shape[1]
                 state.clear()
-                res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                            logits_to_keep=kmax + 1)
-                logp = torch.log_softmax(res.logits[:, -(kmax + 1):].float(), dim=-1)  # (B, kmax+1, V)
+                res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=kmax + 1)
+                logp = torch.log_softmax(res.logits[:, -(kmax + 1) :].float(), dim=-1)  # (B, kmax+1, V)
                 final = state.get("final")
                 if final is not None:
-                    final = final[:, -(kmax + 1):]
+                    final = final[:, -(kmax + 1) :]
                 acts = editor.slot_activations(state["h"]) if slots else None  # (B, T, n)
                 for b, i in enumerate(batch):
                     r = _tf_row(logp[b], seqs[i][1], kmax)
@@ -175,7 +178,7 @@ def teacher_forced(
                     if acts is not None:
                         _add_gates(r, acts[b], T - 1 - len(seqs[i][1]), T - len(full[b]))
                     if states_layer is not None:
-                        r.states = normalize_rows(state["states"][b, T - 1 - len(seqs[i][1]): T - 1]).cpu()
+                        r.states = normalize_rows(state["states"][b, T - 1 - len(seqs[i][1]) : T - 1]).cpu()
                     out[i] = r
                 bar.update(len(batch))
                 if tick is not None:
@@ -195,10 +198,9 @@ def _keep_input(module: nn.Module, box: dict[str, Any], key: str):
 def _tf_row(logp: torch.Tensor, cont_ids: Sequence[int], kmax: int) -> TFResult:
     """Argmax predictions and mean NLL of one row's continuation from the last ``kmax + 1`` log-probabilities."""
     k = len(cont_ids)
-    lp = logp[kmax - k: kmax]
+    lp = logp[kmax - k : kmax]
     cont = torch.tensor(cont_ids, device=lp.device)
-    return TFResult(preds=tuple(int(x) for x in lp.argmax(-1).tolist()),
-                    nll=float(-lp.gather(1, cont[:, None]).mean()))
+    return TFResult(preds=tuple(int(x) for x in lp.argmax(-1).tolist()), nll=float(-lp.gather(1, cont[:, None]).mean()))
 
 
 def _add_gates(r: TFResult, acts: torch.Tensor, last: int, first: int) -> None:
@@ -208,7 +210,7 @@ def _add_gates(r: TFResult, acts: torch.Tensor, last: int, first: int) -> None:
     nz = a_last.nonzero().flatten()
     r.gate_idx = nz.cpu()
     r.gate_val = a_last[nz].cpu()
-    span = acts[first: last + 1]
+    span = acts[first : last + 1]
     if span.numel():
         flat = span.max(0).values
         j = int(flat.argmax())
@@ -290,8 +292,17 @@ def generate_with_states(
     return _generate(model, prompts, lengths, pad_id, batch_size, False, "generate", tick, (layer, starts))
 
 
-def _generate(model, prompts, lengths, pad_id: int, batch_size: int, progress: bool, desc: str, tick: Tick | None,
-              capture: tuple[int, list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _generate(
+    model,
+    prompts,
+    lengths,
+    pad_id: int,
+    batch_size: int,
+    progress: bool,
+    desc: str,
+    tick: Tick | None,
+    capture: tuple[int, list[int]] | None = None,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy generation; with ``capture = (layer, starts)`` also the states of :func:`generate_with_states`."""
     n = len(prompts)
     ks = [int(lengths)] * n if isinstance(lengths, int) else [int(x) for x in lengths]
@@ -317,8 +328,7 @@ def _generate(model, prompts, lengths, pad_id: int, batch_size: int, progress: b
                     continue
                 ids, mask, pos = left_pad([prompts[i] for i in batch], pad_id, device)
                 box["stop"] = kmax <= 0  # states of the prompts only: the logits are not needed
-                res = _run(model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                           logits_to_keep=1)
+                res = _run(model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
                 captured = [box.get("h")]  # (B, P, d), then (B, 1, d) per fed token
                 steps: list[torch.Tensor] = []
                 for step in range(kmax):
@@ -330,8 +340,15 @@ def _generate(model, prompts, lengths, pad_id: int, batch_size: int, progress: b
                     pos = pos[:, -1:] + 1
                     # the last generated token is fed only for its state, up to the edited layer
                     box["stop"] = step + 1 == kmax
-                    res = _run(model, input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                               past_key_values=res.past_key_values, use_cache=True, logits_to_keep=1)
+                    res = _run(
+                        model,
+                        input_ids=nxt[:, None],
+                        attention_mask=mask,
+                        position_ids=pos,
+                        past_key_values=res.past_key_values,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
                     captured.append(box.get("h"))
                 if steps:
                     gen = torch.stack(steps, dim=1).cpu()
@@ -342,7 +359,7 @@ def _generate(model, prompts, lengths, pad_id: int, batch_size: int, progress: b
                     width = ids.shape[1]
                     for b, i in enumerate(batch):
                         lo = width - len(prompts[i]) + capture[1][i]
-                        states[i] = normalize_rows(h[b, lo: width + ks[i]]).cpu()
+                        states[i] = normalize_rows(h[b, lo : width + ks[i]]).cpu()
                 bar.update(len(batch))
                 if tick is not None:
                     tick(len(batch))
@@ -362,4 +379,3 @@ def _run(model: nn.Module, **inputs):
 # =============================================================================
 # Queries
 # =============================================================================
-

@@ -80,7 +80,7 @@ def relation_partition(corpus: Corpus, fraction: float, n_dev: int, seed: int) -
     k = max(1, int(len(groups) * fraction))
     if len(groups) < 2 * k + 1:
         raise ValueError(f"relation protocol: {len(groups)} relation groups cannot make three disjoint parts")
-    dev_g, cal_g = set(groups[:k]), set(groups[k:2 * k])
+    dev_g, cal_g = set(groups[:k]), set(groups[k : 2 * k])
     dev = [i for i, it in enumerate(corpus.items) if it.group in dev_g]
     cal = [i for i, it in enumerate(corpus.items) if it.group in cal_g]
     train = [i for i, it in enumerate(corpus.items) if it.group not in dev_g | cal_g]
@@ -105,8 +105,7 @@ def _surfaces(corpus: Corpus, i: int) -> tuple[str, str, str]:
 def same_subject_key_prompts(corpus: Corpus, idx: list[int], seed: int) -> list[list[str]]:
     """Per item, :data:`SAME_SUBJECT_KEYS` fixed prompts about its subject under other relations."""
     rng = random.Random(seed)
-    return [corpus.other_relation_prompts(corpus.items[i].subject, corpus.items[i].group, SAME_SUBJECT_KEYS, rng)
-            for i in idx]
+    return [corpus.other_relation_prompts(corpus.items[i].subject, corpus.items[i].group, SAME_SUBJECT_KEYS, rng) for i in idx]
 
 
 @dataclass
@@ -119,12 +118,12 @@ class ScoredItems:
     others: torch.Tensor  # (N, 2N - 2): other items' paraphrases and locality inputs on this key
 
     def negatives(self) -> dict[str, torch.Tensor]:
-        return {"locality": self.locality, "same_subject": self.same_subject.reshape(-1),
-                "others": self.others.reshape(-1)}
+        return {"locality": self.locality, "same_subject": self.same_subject.reshape(-1), "others": self.others.reshape(-1)}
 
 
-def score_items(addresses: torch.Tensor, paraphrase: torch.Tensor, locality: torch.Tensor,
-                same_subject: torch.Tensor) -> ScoredItems:
+def score_items(
+    addresses: torch.Tensor, paraphrase: torch.Tensor, locality: torch.Tensor, same_subject: torch.Tensor
+) -> ScoredItems:
     """Scores of N items from their addresses (N, d) and normalized states: paraphrases and
     locality inputs (N, d), same-subject prompts (N, S, d)."""
     N = len(addresses)
@@ -181,8 +180,9 @@ def _at_threshold(dev: ScoredItems, threshold: float) -> tuple[float, dict[str, 
     return float(_rates(dev.positive, thr)), {k: float(_rates(n, thr)) for k, n in dev.negatives().items()}
 
 
-def mechanism_metrics(dev: ScoredItems, threshold: float, same_subject_16: torch.Tensor | None,
-                      threshold_at_budget: float | None = None) -> dict[str, float]:
+def mechanism_metrics(
+    dev: ScoredItems, threshold: float, same_subject_16: torch.Tensor | None, threshold_at_budget: float | None = None
+) -> dict[str, float]:
     """The metrics on development scores; AUC and FPR average the three negative kinds (each also
     reported). ``same_subject_16``: (N, 16) scores of each paraphrase on its own key (column 0)
     and 15 same-subject other-relation keys. With ``threshold_at_budget``, recall and mean FPR at
@@ -199,28 +199,33 @@ def mechanism_metrics(dev: ScoredItems, threshold: float, same_subject_16: torch
         out["same_subject_top1"] = float((same_subject_16.argmax(1) == 0).double().mean())
     if threshold_at_budget is not None:
         recall_b, fprs_b = _at_threshold(dev, threshold_at_budget)
-        out.update(recall_at_budget=recall_b, negative_fpr_at_budget=sum(fprs_b.values()) / len(fprs_b),
-                   threshold_at_budget=threshold_at_budget)
+        out.update(
+            recall_at_budget=recall_b,
+            negative_fpr_at_budget=sum(fprs_b.values()) / len(fprs_b),
+            threshold_at_budget=threshold_at_budget,
+        )
     out.update(threshold=threshold, items=len(dev.positive))
     return out
 
 
-def key_scores(addresses_of: Callable[[torch.Tensor], torch.Tensor], paraphrase: torch.Tensor,
-               keys16: torch.Tensor) -> torch.Tensor:
+def key_scores(
+    addresses_of: Callable[[torch.Tensor], torch.Tensor], paraphrase: torch.Tensor, keys16: torch.Tensor
+) -> torch.Tensor:
     """(N, 16) scores of each paraphrase (N, d) on the addresses of its 16 key states (N, 16, d);
     ``addresses_of`` maps normalized key states (M, d) to addresses (M, d)."""
     a16 = addresses_of(keys16.reshape(-1, keys16.shape[-1])).reshape(keys16.shape)
     return torch.einsum("nkd,nd->nk", a16, paraphrase)
 
 
-def evaluate_addresses(addresses_of: Callable[[torch.Tensor], torch.Tensor], states: CorpusStates, part: Partition,
-                       dev_keys: torch.Tensor | None) -> dict[str, float]:
+def evaluate_addresses(
+    addresses_of: Callable[[torch.Tensor], torch.Tensor], states: CorpusStates, part: Partition, dev_keys: torch.Tensor | None
+) -> dict[str, float]:
     """Metrics of an address map on ``part``: threshold from the calibration items, scores of the
     development items; ``dev_keys``: (len(part.dev), 15, d) same-subject key states, or None."""
+
     def scored(idx: list[int]) -> ScoredItems:
         b = torch.tensor(idx)
-        return score_items(addresses_of(states.request[b]), states.paraphrase[b], states.locality[b],
-                           states.same_subject[b])
+        return score_items(addresses_of(states.request[b]), states.paraphrase[b], states.locality[b], states.same_subject[b])
 
     cal = scored(part.calibration)
     threshold = transferred_threshold(cal.positive, cal.negatives())
@@ -232,26 +237,36 @@ def evaluate_addresses(addresses_of: Callable[[torch.Tensor], torch.Tensor], sta
     return mechanism_metrics(scored(part.dev), threshold, s16, threshold_at_budget)
 
 
-def protocol_metrics(cs: CorpusStates, corpus: Corpus, part: Partition, dev_keys: torch.Tensor | None,
-                     cfg: BuildConfig) -> dict[str, dict[str, float]]:
+def protocol_metrics(
+    cs: CorpusStates, corpus: Corpus, part: Partition, dev_keys: torch.Tensor | None, cfg: BuildConfig
+) -> dict[str, dict[str, float]]:
     """A learned encoder (trained on ``part.train`` with ``cfg``) and the equal-dimension raw control,
     each scored on ``part``."""
     groups = [it.group for it in corpus.items]
     learned = train_encoder(cs, groups, part.train, cfg)
     raw = raw_control(cs, part.train, cfg.encoder_dim)
-    return {"learned": evaluate_addresses(learned.addresses, cs, part, dev_keys),
-            "raw_control": evaluate_addresses(raw.addresses, cs, part, dev_keys)}
+    return {
+        "learned": evaluate_addresses(learned.addresses, cs, part, dev_keys),
+        "raw_control": evaluate_addresses(raw.addresses, cs, part, dev_keys),
+    }
 
 
-def dev_key_states(model, tokenizer, corpus: Corpus, part: Partition, layer: int, cfg: BuildConfig,
-                   ) -> torch.Tensor | None:
+def dev_key_states(
+    model,
+    tokenizer,
+    corpus: Corpus,
+    part: Partition,
+    layer: int,
+    cfg: BuildConfig,
+) -> torch.Tensor | None:
     """(len(part.dev), 15, d) states of the development items' same-subject keys, or None when
     the corpus has too few relations to make 15 for every item."""
     prompts = same_subject_key_prompts(corpus, part.dev, cfg.seed + 1)
     if not part.dev or any(len(p) < SAME_SUBJECT_KEYS for p in prompts):
         return None
-    h = last_token_states(model, tokenizer, [t for p in prompts for t in p], layer, cfg.batch_size,
-                          desc=f"encoder {part.protocol} keys")
+    h = last_token_states(
+        model, tokenizer, [t for p in prompts for t in p], layer, cfg.batch_size, desc=f"encoder {part.protocol} keys"
+    )
     return h.reshape(len(part.dev), SAME_SUBJECT_KEYS, -1)
 
 
@@ -279,6 +294,21 @@ def build_encoder(model, tokenizer, corpus: Corpus, layer: int, cfg: BuildConfig
     return enc, metrics
 
 
-__all__ = ["FPR_BUDGET", "PROTOCOLS", "Partition", "ScoredItems", "auc", "budget_threshold", "build_encoder",
-           "dev_key_states", "evaluate_addresses", "key_scores", "mechanism_metrics", "partition", "protocol_metrics",
-           "same_subject_key_prompts", "score_items", "transferred_threshold"]
+__all__ = [
+    "FPR_BUDGET",
+    "PROTOCOLS",
+    "Partition",
+    "ScoredItems",
+    "auc",
+    "budget_threshold",
+    "build_encoder",
+    "dev_key_states",
+    "evaluate_addresses",
+    "key_scores",
+    "mechanism_metrics",
+    "partition",
+    "protocol_metrics",
+    "same_subject_key_prompts",
+    "score_items",
+    "transferred_threshold",
+]

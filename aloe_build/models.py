@@ -174,9 +174,7 @@ def _load_gguf(path: Path) -> tuple[nn.Module, Any]:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     # Q4_1 blocks are dequantized to float32 (transformers shows a tqdm bar
     # "Converting and de-quantizing GGUF tensors..." for this, once).
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, local_files_only=True, **_dtype_kwarg(torch.float32)
-    )
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, **_dtype_kwarg(torch.float32))
     # The weights are dequantized already; what is left of the quantizer only
     # gets in the way of save_pretrained / .to(dtype).
     if getattr(model, "hf_quantizer", None) is not None:
@@ -305,8 +303,14 @@ class ModelLoadError(ValueError):
     """A model cannot be loaded as asked (unknown name, no such device, unknown dtype)."""
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -330,8 +334,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def load_model(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
-               device: str | torch.device | None = None) -> tuple[nn.Module, Any]:
+def load_model(
+    name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None, device: str | torch.device | None = None
+) -> tuple[nn.Module, Any]:
     """Load a causal LM and its tokenizer, locally, ready for editing.
 
     ``name_or_path``: a local transformers directory, ``"smollm2"`` (see the

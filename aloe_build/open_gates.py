@@ -41,8 +41,9 @@ class OpenGates:
         """The block as a coalesced sparse COO matrix (n_rows, n)."""
         index = torch.stack([self.rows, self.slots])
         with quiet_sparse():
-            return torch.sparse_coo_tensor(index, self.values.to(dtype), (self.n_rows, n), is_coalesced=True,
-                                           check_invariants=False)
+            return torch.sparse_coo_tensor(
+                index, self.values.to(dtype), (self.n_rows, n), is_coalesced=True, check_invariants=False
+            )
 
     def at(self, slot_of_row: torch.Tensor) -> torch.Tensor:
         """Each row's gate at one slot of its own (``slot_of_row`` (n_rows,)): 0 where that gate is shut."""
@@ -52,8 +53,7 @@ class OpenGates:
         return out
 
 
-def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, chunk: int | None = None
-               ) -> Iterator[OpenGates]:
+def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, chunk: int | None = None) -> Iterator[OpenGates]:
     """The open gates of normalized states (one tensor, or several read in place), ``chunk`` rows at
     a time (default: blocks of about :data:`_BLOCK_BYTES` of scores). Each value equals the dense
     formula's (:func:`aloe_kernels.reference.gates_from_scores` on the same float32 scores)."""
@@ -62,7 +62,7 @@ def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, c
     floor = open_score_floor(tau, alpha, op.gate_eps) - _FLOOR_SLACK
     for part in [parts] if isinstance(parts, torch.Tensor) else parts:
         for start in range(0, part.shape[0], chunk):
-            block = part[start: start + chunk]
+            block = part[start : start + chunk]
             scores = block.float() @ V.T
             rows, slots = (scores > floor).nonzero(as_tuple=True)
             values = gates_from_scores(scores[rows, slots], tau[slots], alpha[slots], op.gate_eps)

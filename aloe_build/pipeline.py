@@ -71,9 +71,11 @@ class StageClock:
     def reading(self) -> dict[str, float]:
         """Seconds, CPU seconds and the process's peak resident memory so far (GiB)."""
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        return {"seconds": round(time.perf_counter() - self.wall, 2),
-                "cpu_seconds": round(time.process_time() - self.cpu, 2),
-                "peak_rss_gib": round(peak_kib / 2**20, 3)}
+        return {
+            "seconds": round(time.perf_counter() - self.wall, 2),
+            "cpu_seconds": round(time.process_time() - self.cpu, 2),
+            "peak_rss_gib": round(peak_kib / 2**20, 3),
+        }
 
 
 @dataclass
@@ -104,8 +106,7 @@ def _validate(model, tokenizer, requests: Sequence[EditRequest], layer: int) -> 
             ids_seen.add(r.id)
 
 
-def _encoder(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig
-             ) -> tuple[AddressEncoder, dict, bool]:
+def _encoder(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> tuple[AddressEncoder, dict, bool]:
     if (path / "encoder.safetensors").is_file():
         enc, metrics = AddressEncoder.load(path)
         return enc, metrics, True
@@ -122,8 +123,10 @@ def _encoder_summary(metrics: dict) -> str:
         if "learned" in m:
             lr, raw = m["learned"], m["raw_control"]
             top1, raw_top1 = lr.get("same_subject_top1", float("nan")), raw.get("same_subject_top1", float("nan"))
-            parts.append(f"{protocol}: AUC {lr['scope_auc']:.3f} (raw {raw['scope_auc']:.3f}), "
-                         f"same-subject top-1 {top1:.3f} (raw {raw_top1:.3f})")
+            parts.append(
+                f"{protocol}: AUC {lr['scope_auc']:.3f} (raw {raw['scope_auc']:.3f}), "
+                f"same-subject top-1 {top1:.3f} (raw {raw_top1:.3f})"
+            )
     return "; ".join(parts) or "no held-out diagnostics"
 
 
@@ -161,9 +164,16 @@ def build_operator(
 class _Build:
     """One build: its settings, checkpoints and report, and a method per stage."""
 
-    def __init__(self, model, tokenizer, requests: Sequence[EditRequest], cfg: BuildConfig,
-                 out_dir: str | os.PathLike | None, log: Callable[[str], None] | None,
-                 base: AppendBase | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        requests: Sequence[EditRequest],
+        cfg: BuildConfig,
+        out_dir: str | os.PathLike | None,
+        log: Callable[[str], None] | None,
+        base: AppendBase | None = None,
+    ):
         self.model, self.tokenizer, self.requests, self.cfg, self.base = model, tokenizer, requests, cfg, base
         self.say = log or (lambda _msg: None)
         self.layer = cfg.layer if cfg.layer is not None else default_layer(model)
@@ -174,9 +184,11 @@ class _Build:
         self.fingerprint = weight_fingerprint(self.site.weight())
         self.device = model_device(model)
         self.out = Path(out_dir) if out_dir else None
-        self.ckpt = StageCheckpoints(self.out / "checkpoints" if self.out else None,
-                                     run_key(requests, self.fingerprint, self.layer,
-                                             base.op.fingerprint() if base else ""), cfg)
+        self.ckpt = StageCheckpoints(
+            self.out / "checkpoints" if self.out else None,
+            run_key(requests, self.fingerprint, self.layer, base.op.fingerprint() if base else ""),
+            cfg,
+        )
         self.report = BuildReport()
         self.slots: list[Slot] = make_slots(requests)
         self.n = len(self.slots)
@@ -219,12 +231,17 @@ class _Build:
         seqs = token_sequences(tokenizer, self.slots, corpus, cfg)
         # (2) initial addresses from the request states
         prompts = [s.prompt for s in self.slots]
-        V0 = self.stage("2_init", lambda: ({"V0": initial_addresses(model, tokenizer, prompts, self.layer, enc,
-                                                                    cfg.batch_size)}, {}))["V0"]
+        V0 = self.stage(
+            "2_init", lambda: ({"V0": initial_addresses(model, tokenizer, prompts, self.layer, enc, cfg.batch_size)}, {})
+        )["V0"]
         # (3) rollouts: anchors H+ and negatives H-
         pool_dir = negatives_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
-        roll = self.stage("3_rollouts", lambda: rollouts(model, tokenizer, self.slots, seqs, corpus, pool_dir,
-                                                         self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")))
+        roll = self.stage(
+            "3_rollouts",
+            lambda: rollouts(
+                model, tokenizer, self.slots, seqs, corpus, pool_dir, self.layer, cfg, self.rng, self.ckpt.parts("3_rollouts")
+            ),
+        )
         soft = seqs.seq_soft[roll["anchor_seq"]]
         if cfg.chat.chat_slots:  # slot n + i takes the chat forms of slot i, from slot i's initial address
             roll = {**roll, "anchor_owner": self.sequence_slots(seqs)[roll["anchor_seq"]]}
@@ -236,8 +253,7 @@ class _Build:
         # (5) calibration
         cal = self.stage("5_calibrate", lambda: self.calibrate(V, roll, negatives, same_prompt, soft))
         gated = self.operator(V, cal, torch.zeros(V.shape[0], self.site.d_out))
-        state = BuildState(roll["anchors"], roll["anchor_owner"], cal["worst_positive"], cal["worst_negative"],
-                           cfg.to_dict())
+        state = BuildState(roll["anchors"], roll["anchor_owner"], cal["worst_positive"], cal["worst_negative"], cfg.to_dict())
         if self.base is None:
             new = op = self.operator(V, cal, self.fit_writes(gated, roll, seqs))
         else:
@@ -249,8 +265,9 @@ class _Build:
             op = AloeOperator.merge([old, new])
             state = BuildState.merge([old_state, state])
         clock = StageClock()
-        gates = _gate_stats(new, roll["anchors"], roll["anchor_owner"], [roll["pool"], roll["specific"]],
-                            self.report.stages.get("7_ridge", {}))
+        gates = _gate_stats(
+            new, roll["anchors"], roll["anchor_owner"], [roll["pool"], roll["specific"]], self.report.stages.get("7_ridge", {})
+        )
         self.report.stage("gates", clock, **gates)
         problems = self.problems()
         for line in problem_lines(problems):
@@ -258,9 +275,19 @@ class _Build:
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             state.save(self.out, op)
-            (self.out / "build_report.json").write_text(json.dumps(
-                {"config": cfg.to_dict(), "slots": new.n, "edits": len(self.requests), "problems": problems,
-                 "stages": self.report.stages}, indent=1, default=str))
+            (self.out / "build_report.json").write_text(
+                json.dumps(
+                    {
+                        "config": cfg.to_dict(),
+                        "slots": new.n,
+                        "edits": len(self.requests),
+                        "problems": problems,
+                        "stages": self.report.stages,
+                    },
+                    indent=1,
+                    default=str,
+                )
+            )
         return op
 
     def problems(self) -> dict[str, list[dict[str, Any]]]:
@@ -268,12 +295,22 @@ class _Build:
         anchors from their negatives (``inseparable``), or their target is not produced greedily on
         the request after stage 6 (``unproduced_by_targets``) or in the end (``unproduced``)."""
         entries = self.entries()
-        found = {"inseparable": self.report.stages.get("5_calibrate", {}).get("inseparable_slots", []),
-                 "unproduced_by_targets": self.report.stages.get("6_targets", {}).get("unproduced_slots", []),
-                 "unproduced": self.report.stages.get("8_finetune", {}).get("unproduced_slots", [])}
-        return {kind: [{"slot": i, **{k: entries[i][k] for k in ("id", "request", "target")},
-                        **({"form": "chat"} if entries[i].get("form") == "chat" else {})} for i in slots]
-                for kind, slots in found.items()}
+        found = {
+            "inseparable": self.report.stages.get("5_calibrate", {}).get("inseparable_slots", []),
+            "unproduced_by_targets": self.report.stages.get("6_targets", {}).get("unproduced_slots", []),
+            "unproduced": self.report.stages.get("8_finetune", {}).get("unproduced_slots", []),
+        }
+        return {
+            kind: [
+                {
+                    "slot": i,
+                    **{k: entries[i][k] for k in ("id", "request", "target")},
+                    **({"form": "chat"} if entries[i].get("form") == "chat" else {}),
+                }
+                for i in slots
+            ]
+            for kind, slots in found.items()
+        }
 
     def recalibrated_base(self, roll: dict[str, torch.Tensor]) -> tuple[AloeOperator, BuildState]:
         """The base operator with the slots that would open on the new anchors or continuations recalibrated."""
@@ -282,53 +319,85 @@ class _Build:
         def run() -> tuple[dict[str, torch.Tensor], dict]:
             dev = self.device
             tau, alpha, s_neg, changed = s5_calibrate.recalibrate(
-                old.addresses.float().to(dev), old.thresholds.float().to(dev), old.temperatures.float().to(dev),
-                st.worst_positive.to(dev), st.worst_negative.to(dev),
+                old.addresses.float().to(dev),
+                old.thresholds.float().to(dev),
+                old.temperatures.float().to(dev),
+                st.worst_positive.to(dev),
+                st.worst_negative.to(dev),
                 # what a one-shot build makes a negative of every slot: the new anchors and continuations
                 # (a new edit's own negatives are negatives of that edit only, there as here)
-                [roll[k] for k in ("anchors", "continuations")], old.gate_eps, self.cfg,
-                open_at=open_at_of(old.edits, self.cfg))
-            return ({"tau": tau.cpu(), "alpha": alpha.cpu(), "worst_negative": s_neg.cpu()},
-                    {"old_slots": old.n, "recalibrated": int(changed.numel())})
+                [roll[k] for k in ("anchors", "continuations")],
+                old.gate_eps,
+                self.cfg,
+                open_at=open_at_of(old.edits, self.cfg),
+            )
+            return (
+                {"tau": tau.cpu(), "alpha": alpha.cpu(), "worst_negative": s_neg.cpu()},
+                {"old_slots": old.n, "recalibrated": int(changed.numel())},
+            )
 
         t = self.stage("5_recalibrate_base", run)
         self.say(f"{self.report.stages['5_recalibrate_base'].get('recalibrated')} of {old.n} old slots recalibrated")
-        op = AloeOperator(addresses=old.addresses, thresholds=t["tau"].to(old.dtype),
-                          temperatures=t["alpha"].to(old.dtype), writes=old.writes, edits=old.edits, **old._header())
+        op = AloeOperator(
+            addresses=old.addresses,
+            thresholds=t["tau"].to(old.dtype),
+            temperatures=t["alpha"].to(old.dtype),
+            writes=old.writes,
+            edits=old.edits,
+            **old._header(),
+        )
         return op, BuildState(st.anchors, st.anchor_owner, st.worst_positive, t["worst_negative"], st.config)
 
     def on_device(self, V, roll, negatives, same_prompt, soft) -> tuple:
         """The inputs of stages 4-5 on the model's device (a GPU build refines there too)."""
         dev = self.device
-        return (V.to(dev), roll["anchors"].to(dev), roll["anchor_owner"].to(dev), negatives.to(dev),
-                same_prompt.to(dev), soft.to(dev))
+        return (
+            V.to(dev),
+            roll["anchors"].to(dev),
+            roll["anchor_owner"].to(dev),
+            negatives.to(dev),
+            same_prompt.to(dev),
+            soft.to(dev),
+        )
 
     def refine(self, V0, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V0, anchors, owner, neg, same, soft = self.on_device(V0, roll, negatives, same_prompt, soft)
         stats: dict = {}
-        V, losses = s4_refine.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"),
-                                          stats)
-        info = {**stats, "steps": len(losses), "loss_first": losses[0] if losses else None,
-                "loss_last": losses[-1] if losses else None,
-                "loss_at_remine": losses[:: self.cfg.refine_remine_every],
-                # how far refinement turned the encoder's addresses (refine_pull keeps them closer)
-                "cosine_to_stage2_mean": float(torch.nn.functional.cosine_similarity(V, V0, dim=1).mean())}
+        V, losses = s4_refine.refine_addresses(V0, anchors, owner, neg, same, self.cfg, soft, self.ckpt.parts("4_refine"), stats)
+        info = {
+            **stats,
+            "steps": len(losses),
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "loss_at_remine": losses[:: self.cfg.refine_remine_every],
+            # how far refinement turned the encoder's addresses (refine_pull keeps them closer)
+            "cosine_to_stage2_mean": float(torch.nn.functional.cosine_similarity(V, V0, dim=1).mean()),
+        }
         return {"V": V.cpu()}, info
 
     def calibrate(self, V, roll, negatives, same_prompt, soft) -> tuple[dict[str, torch.Tensor], dict]:
         V, anchors, owner, neg, same, soft = self.on_device(V, roll, negatives, same_prompt, soft)
-        cal = s5_calibrate.calibrate(V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft,
-                             open_at_of(self.entries(), self.cfg))
-        info = {"separable": int(cal.separable.sum()), "inseparable": int((~cal.separable).sum()),
-                "inseparable_slots": (~cal.separable).nonzero().squeeze(1).tolist()}
-        return {"tau": cal.thresholds.cpu(), "alpha": cal.temperatures.cpu(),
-                "separable": cal.separable.to(torch.uint8).cpu(), "worst_positive": cal.worst_positive.cpu(),
-                "worst_negative": cal.worst_negative.cpu()}, info
+        cal = s5_calibrate.calibrate(
+            V, anchors, owner, neg, same, DEFAULT_GATE_EPS, self.cfg, soft, open_at_of(self.entries(), self.cfg)
+        )
+        info = {
+            "separable": int(cal.separable.sum()),
+            "inseparable": int((~cal.separable).sum()),
+            "inseparable_slots": (~cal.separable).nonzero().squeeze(1).tolist(),
+        }
+        return {
+            "tau": cal.thresholds.cpu(),
+            "alpha": cal.temperatures.cpu(),
+            "separable": cal.separable.to(torch.uint8).cpu(),
+            "worst_positive": cal.worst_positive.cpu(),
+            "worst_negative": cal.worst_negative.cpu(),
+        }, info
 
     def entries(self) -> list[dict[str, Any]]:
         """The operator's metadata: one entry per request slot, then with chat slots one per chat slot."""
-        edits = [{"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject}
-                 for s in self.slots]
+        edits = [
+            {"id": s.ids[0], "ids": s.ids, "request": s.prompt, "target": s.target, "subject": s.subject} for s in self.slots
+        ]
         return edits + chat_entries(edits) if self.cfg.chat.chat_slots else edits
 
     def sequence_slots(self, seqs: TokenSequences) -> torch.Tensor:
@@ -337,10 +406,19 @@ class _Build:
         return chat_slot_owner(seqs.seq_owner, seqs.seq_chat, self.n) if self.cfg.chat.chat_slots else seqs.seq_owner
 
     def operator(self, V: torch.Tensor, cal: dict[str, torch.Tensor], writes: torch.Tensor) -> AloeOperator:
-        return AloeOperator(addresses=V, thresholds=cal["tau"], temperatures=cal["alpha"], writes=writes,
-                            eps=DEFAULT_EPS, gate_eps=DEFAULT_GATE_EPS, edits=self.entries(), layer=self.layer,
-                            module_path=self.site.path, base_model=model_name(self.model),
-                            weight_fingerprint=self.fingerprint)
+        return AloeOperator(
+            addresses=V,
+            thresholds=cal["tau"],
+            temperatures=cal["alpha"],
+            writes=writes,
+            eps=DEFAULT_EPS,
+            gate_eps=DEFAULT_GATE_EPS,
+            edits=self.entries(),
+            layer=self.layer,
+            module_path=self.site.path,
+            base_model=model_name(self.model),
+            weight_fingerprint=self.fingerprint,
+        )
 
     def fit_writes(self, gated: AloeOperator, roll: dict[str, torch.Tensor], seqs: TokenSequences) -> torch.Tensor:
         """Stages 6-8: write targets, the joint ridge solve and the NLL fine-tuning of the writes."""
@@ -348,8 +426,11 @@ class _Build:
         # training sequences: the requests (sequence i = slot i), the chat forms, then the rewordings whose own gate
         # opens at their last prompt token (a write cannot reach a closed one). Prefixed requests are
         # not trained on: the request's write carries to them.
-        train_seqs = list(range(n)) + seqs.trained + _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"],
-                                                                       seqs.seq_owner, seqs.seq_soft)
+        train_seqs = (
+            list(range(n))
+            + seqs.trained
+            + _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"], seqs.seq_owner, seqs.seq_soft)
+        )
         train_owner = self.sequence_slots(seqs)[train_seqs].tolist()  # chat forms train their chat slot's write
         all_prompts = seqs.prompts + seqs.extra_prompts
         target_lens = [min(len(seqs.target(j)), cfg.max_target_tokens) for j in train_seqs]
@@ -374,8 +455,7 @@ class _Build:
         def targets() -> tuple[dict[str, torch.Tensor], dict]:
             steps: dict = {}
             deltas, nll, produced = write_targets(forward(), cfg, self.ckpt.parts("6_targets"), rows_of, steps)
-            return {"Y": deltas}, {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced,
-                                   **steps}
+            return {"Y": deltas}, {"nll_mean": sum(nll) / len(nll), "nll_max": max(nll), "produced": produced, **steps}
 
         Y = self.stage("6_targets", targets)["Y"]
         negatives = [roll["pool"], roll["specific"]]
@@ -392,10 +472,14 @@ class _Build:
             U, losses = finetune_writes(fwd, U0, cfg)
             # requests only (sequence i < n is slot i's request), with every slot's write in place
             made = produced_rows(fwd, U, range(n), cfg.finetune_batch)
-            return {"U": U}, {"steps": len(losses), "nll_first": losses[0] if losses else None,
-                              "nll_last": losses[-1] if losses else None, "produced": sum(made) / n,
-                              "unproduced_slots": [i for i, ok in enumerate(made) if not ok],
-                              "paraphrase_sequences": len(train_seqs) - n}
+            return {"U": U}, {
+                "steps": len(losses),
+                "nll_first": losses[0] if losses else None,
+                "nll_last": losses[-1] if losses else None,
+                "produced": sum(made) / n,
+                "unproduced_slots": [i for i, ok in enumerate(made) if not ok],
+                "paraphrase_sequences": len(train_seqs) - n,
+            }
 
         return self.stage("8_finetune", finetune)["U"]
 
@@ -403,9 +487,11 @@ class _Build:
 def problem_lines(problems: dict[str, list[dict[str, Any]]], show: int = 5) -> list[str]:
     """What a build says at its end about :meth:`_Build.problems`: a count and the first few slots
     of each kind (all of them are in ``build_report.json``)."""
-    what = {"inseparable": "slots stage 5 could not separate from their negatives",
-            "unproduced_by_targets": "edits whose target stage 6 did not produce",
-            "unproduced": "edits whose target the operator does not produce on the request"}
+    what = {
+        "inseparable": "slots stage 5 could not separate from their negatives",
+        "unproduced_by_targets": "edits whose target stage 6 did not produce",
+        "unproduced": "edits whose target the operator does not produce on the request",
+    }
     lines = []
     for kind, slots in problems.items():
         if slots:
@@ -415,8 +501,7 @@ def problem_lines(problems: dict[str, list[dict[str, Any]]], show: int = 5) -> l
     return lines
 
 
-def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None, chat_slots: int = 0
-                 ) -> NegativeSet:
+def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None, chat_slots: int = 0) -> NegativeSet:
     """Anchors and request continuations are negatives of every slot but their own (and those of
     the same prompt, see NegativeSet.top); the corpus pool, and the anchors of the operator an
     append builds on, of every slot. With ``chat_slots`` (the n request slots of a build with chat
@@ -427,8 +512,9 @@ def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | Non
         specific, owner = torch.cat([specific, specific]), torch.cat([owner, owner + chat_slots])
     return NegativeSet(
         shared=torch.cat([everyone, roll["anchors"], roll["continuations"]]),
-        shared_owner=torch.cat([torch.full((everyone.shape[0],), -1, dtype=torch.long), roll["anchor_owner"],
-                                roll["continuation_owner"]]),
+        shared_owner=torch.cat(
+            [torch.full((everyone.shape[0],), -1, dtype=torch.long), roll["anchor_owner"], roll["continuation_owner"]]
+        ),
         specific=specific,
         specific_owner=owner,
     )
@@ -444,8 +530,14 @@ def _patched(model, op: AloeOperator) -> Iterator[None]:
         remove_aloe(model)
 
 
-def _open_paraphrases(op: AloeOperator, anchors: torch.Tensor, anchor_seq: torch.Tensor, seq_owner: torch.Tensor,
-                      candidate: torch.Tensor, at_least: float = 0.5) -> list[int]:
+def _open_paraphrases(
+    op: AloeOperator,
+    anchors: torch.Tensor,
+    anchor_seq: torch.Tensor,
+    seq_owner: torch.Tensor,
+    candidate: torch.Tensor,
+    at_least: float = 0.5,
+) -> list[int]:
     """The ``candidate`` sequences whose owner's gate is at least ``at_least`` on their first
     anchor, the last prompt token."""
     first = torch.ones_like(anchor_seq, dtype=torch.bool)
@@ -458,16 +550,14 @@ def _open_paraphrases(op: AloeOperator, anchors: torch.Tensor, anchor_seq: torch
     return seqs[g >= at_least].tolist()
 
 
-def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives, ridge_report: dict[str, Any]
-                ) -> dict[str, float]:
+def _gate_stats(op: AloeOperator, anchors, anchor_owner, negatives, ridge_report: dict[str, Any]) -> dict[str, float]:
     """Each anchor's gate at its own slot, and how the negatives open gates: counted by stage 7,
     which gates every negative at every slot with the same addresses and calibration (a build
     resumed from a stage-7 checkpoint without those counts gates them again)."""
     # in float64: a steep gate (a slot calibrated over a narrow gap) turns float32 rounding of the
     # scores into visible differences of the gates reported
     V, tau, alpha = (t.double() for t in (op.addresses, op.thresholds, op.temperatures))
-    own = gates_from_scores((anchors.double() * V[anchor_owner]).sum(-1), tau[anchor_owner], alpha[anchor_owner],
-                            op.gate_eps)
+    own = gates_from_scores((anchors.double() * V[anchor_owner]).sum(-1), tau[anchor_owner], alpha[anchor_owner], op.gate_eps)
     tally = NegativeGateTally()
     negative = {k: ridge_report[k] for k in tally.summary() if k in ridge_report}
     if negative.keys() != tally.summary().keys():

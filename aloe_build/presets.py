@@ -11,17 +11,26 @@ from typing import Any
 #: name -> (what it is for, the fields it sets)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "default": ("the paper's settings: plain prompts, any stream", {}),
-    "quick": ("a few facts in minutes on a CPU, to try the tool (a short encoder and a small negative pool)",
-              {"encoder_records": 300, "encoder_steps": 150, "negative_pool_records": 100}),
-    "demo": ("what `make demo` runs: a mid-size encoder, edits that fire in chat, one chat slot per edit",
-             {"encoder_records": 1500, "encoder_steps": 600, "finetune_steps": 50,
-              "positives_chat": True, "chat_slots": True}),
-    "questions": ("a stream of questions (zsRE-like): gates that open nearer the negatives, for rewordings",
-                  {"calibration_open_at": 0.5, "calibration_negative_slack": 6.0}),
-    "chat": ("a served chat model: edits fire through the chat template, each in a slot of its own",
-             {"positives_chat": True, "chat_slots": True, "calibration_negative_slack": 6.0}),
-    "large": ("thousands of edits: each gate's edge further above its worst negative, for locality",
-              {"calibration_negative_slack": 6.0}),
+    "quick": (
+        "a few facts in minutes on a CPU, to try the tool (a short encoder and a small negative pool)",
+        {"encoder_records": 300, "encoder_steps": 150, "negative_pool_records": 100},
+    ),
+    "demo": (
+        "what `make demo` runs: a mid-size encoder, edits that fire in chat, one chat slot per edit",
+        {"encoder_records": 1500, "encoder_steps": 600, "finetune_steps": 50, "positives_chat": True, "chat_slots": True},
+    ),
+    "questions": (
+        "a stream of questions (zsRE-like): gates that open nearer the negatives, for rewordings",
+        {"calibration_open_at": 0.5, "calibration_negative_slack": 6.0},
+    ),
+    "chat": (
+        "a served chat model: edits fire through the chat template, each in a slot of its own",
+        {"positives_chat": True, "chat_slots": True, "calibration_negative_slack": 6.0},
+    ),
+    "large": (
+        "thousands of edits: each gate's edge further above its worst negative, for locality",
+        {"calibration_negative_slack": 6.0},
+    ),
 }
 
 

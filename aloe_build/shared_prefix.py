@@ -18,8 +18,7 @@ def cache_layer_kv(cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
-def left_padded_cache(rows: list[list[tuple[torch.Tensor, torch.Tensor]]], width: int, device: torch.device
-                      ) -> DynamicCache:
+def left_padded_cache(rows: list[list[tuple[torch.Tensor, torch.Tensor]]], width: int, device: torch.device) -> DynamicCache:
     """A cache of ``len(rows)`` rows from each row's per-layer keys and values (heads, length, dim),
     right-aligned in ``width`` positions (an empty list: a row with none); the attention mask must
     leave out the positions before each row's own."""
@@ -31,7 +30,7 @@ def left_padded_cache(rows: list[list[tuple[torch.Tensor, torch.Tensor]]], width
         for b, row in enumerate(rows):
             if row:
                 k, v = row[j]
-                keys[b, :, width - k.shape[1]:] = k.to(device)
-                values[b, :, width - v.shape[1]:] = v.to(device)
+                keys[b, :, width - k.shape[1] :] = k.to(device)
+                values[b, :, width - v.shape[1] :] = v.to(device)
         cache.update(keys, values, j)
     return cache

@@ -27,16 +27,21 @@ class NegativeSet:
             nbytes = sum(t.numel() * t.element_size() for t in (self.shared, self.specific))
             if nbytes > torch.cuda.mem_get_info(device)[0] // 4:
                 return self
-        return NegativeSet(*(t.to(device) for t in (self.shared, self.shared_owner, self.specific,
-                                                    self.specific_owner)))
+        return NegativeSet(*(t.to(device) for t in (self.shared, self.shared_owner, self.specific, self.specific_owner)))
 
     def worst(self, V: torch.Tensor, same_prompt: torch.Tensor, chunk: int = 512) -> torch.Tensor:
         """max_{h in N_i} v_i^T h for every slot, over the whole set."""
         return self.top(V, same_prompt, 1, chunk)[0][:, 0]
 
-    def top(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512,
-            stream_rows: int | None = None, candidates: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def top(
+        self,
+        V: torch.Tensor,
+        same_prompt: torch.Tensor,
+        k: int,
+        chunk: int = 512,
+        stream_rows: int | None = None,
+        candidates: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The k hardest negatives of every slot: (scores (n, k), states (n, k, d)).
 
         The shared states scored are all of them, or with ``candidates`` (from
@@ -53,8 +58,9 @@ class NegativeSet:
                 best_s, best_i = self._merge_specific(V, best_s, best_i, k)
             return best_s, self._states(best_i, V.device)
 
-    def shared_candidates(self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512,
-                          stream_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def shared_candidates(
+        self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512, stream_rows: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores and indices (n, k) into ``shared`` of each slot's k highest-scoring shared states
         that are its negatives, best first (-inf and -1 where it has fewer)."""
         with torch.no_grad():
@@ -71,8 +77,8 @@ class NegativeSet:
         for start in range(0, n, chunk):
             rows = torch.arange(start, min(n, start + chunk), device=V.device)
             for lo in range(0, self.shared.shape[0], step):
-                part = self.shared[lo: lo + step].to(V.device)
-                owner = self.shared_owner[lo: lo + step].to(V.device)
+                part = self.shared[lo : lo + step].to(V.device)
+                owner = self.shared_owner[lo : lo + step].to(V.device)
                 s = V[rows] @ part.T  # (r, M)
                 # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are
                 # not negatives
@@ -93,21 +99,24 @@ class NegativeSet:
         best_i = torch.full((n, k), -1, dtype=torch.long, device=V.device)
         home = self.shared.device
         for start in range(0, n, chunk):
-            idx = candidates[start: start + chunk].to(home).sort(dim=1).values  # CSR: ascending columns per row
+            idx = candidates[start : start + chunk].to(home).sort(dim=1).values  # CSR: ascending columns per row
             valid = idx >= 0
             rows = torch.zeros(idx.shape[0] + 1, dtype=torch.long, device=home)
             rows[1:] = valid.sum(1).cumsum(0)
             with quiet_sparse():
-                pattern = torch.sparse_csr_tensor(rows, idx[valid], torch.zeros(int(rows[-1]), dtype=self.shared.dtype,
-                                                  device=home), size=(idx.shape[0], self.shared.shape[0]),
-                                                  check_invariants=False)
-                sampled = torch.sparse.sampled_addmm(pattern, V[start: start + chunk].to(home, self.shared.dtype),
-                                                     self.shared.T)
+                pattern = torch.sparse_csr_tensor(
+                    rows,
+                    idx[valid],
+                    torch.zeros(int(rows[-1]), dtype=self.shared.dtype, device=home),
+                    size=(idx.shape[0], self.shared.shape[0]),
+                    check_invariants=False,
+                )
+                sampled = torch.sparse.sampled_addmm(pattern, V[start : start + chunk].to(home, self.shared.dtype), self.shared.T)
             s = torch.full(idx.shape, -math.inf, dtype=V.dtype, device=home)
             s[valid] = sampled.values().to(V.dtype)
             vals, pick = s.topk(kk, dim=1)
-            best_s[start: start + chunk, :kk] = vals.to(V.device)
-            best_i[start: start + chunk, :kk] = idx.gather(1, pick).to(V.device)
+            best_s[start : start + chunk, :kk] = vals.to(V.device)
+            best_i[start : start + chunk, :kk] = idx.gather(1, pick).to(V.device)
         return best_s, best_i.masked_fill(best_s == -math.inf, -1)
 
     def _merge_specific(self, V, best_s, best_i, k) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +126,12 @@ class NegativeSet:
         n, m = V.shape[0], self.shared.shape[0]
         owner = self.specific_owner.to(V.device)
         # in chunks: V[owner] for every specific state would be another copy of them all
-        s_spec = torch.cat([
-            torch.einsum("sd,sd->s", V[owner[j: j + 16384]], self.specific[j: j + 16384].to(V.device))
-            for j in range(0, self.specific.shape[0], 16384)])
+        s_spec = torch.cat(
+            [
+                torch.einsum("sd,sd->s", V[owner[j : j + 16384]], self.specific[j : j + 16384].to(V.device))
+                for j in range(0, self.specific.shape[0], 16384)
+            ]
+        )
         order = torch.argsort(owner, stable=True)
         counts = torch.bincount(owner, minlength=n)
         starts = counts.cumsum(0) - counts

@@ -53,7 +53,7 @@ class StateBatch:
     offsets: torch.Tensor  # (num_sequences + 1,) long
 
     def of(self, i: int) -> torch.Tensor:
-        return self.states[int(self.offsets[i]): int(self.offsets[i + 1])]
+        return self.states[int(self.offsets[i]) : int(self.offsets[i + 1])]
 
     def owner(self) -> torch.Tensor:
         """For every state row, the index of its sequence."""
@@ -61,8 +61,9 @@ class StateBatch:
         return torch.repeat_interleave(torch.arange(len(counts)), counts)
 
 
-def empty_states(model: nn.Module, layer: int, sequences: Sequence[Sequence[int]],
-                 positions: Sequence[Sequence[int]] | None) -> tuple[list[list[int]], StateBatch]:
+def empty_states(
+    model: nn.Module, layer: int, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]] | None
+) -> tuple[list[list[int]], StateBatch]:
     """The positions kept of each sequence (every one where ``positions`` is None) and a zero
     :class:`StateBatch` laid out for them, to be filled in place: collecting per-sequence pieces and
     concatenating would need twice the memory."""
@@ -95,21 +96,22 @@ def collect_states(
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # similar lengths share a batch
     with capture_down_proj_input(model, layer) as box:
         for start in tqdm(range(0, len(order), batch_size), desc=desc, disable=desc is None, leave=False):
-            idx = order[start: start + batch_size]
+            idx = order[start : start + batch_size]
             inputs = batch_inputs([sequences[i] for i in idx], pid, device)
             h = run_captured(model, box, **inputs)
             width = inputs["input_ids"].shape[1]
             for row, i in enumerate(idx):
                 n = len(sequences[i])
                 cols = torch.tensor([width - n + p for p in keep[i]], dtype=torch.long, device=h.device)
-                states[int(offsets[i]): int(offsets[i + 1])] = normalize_rows(h[row].index_select(0, cols)).cpu()
+                states[int(offsets[i]) : int(offsets[i + 1])] = normalize_rows(h[row].index_select(0, cols)).cpu()
             if tick is not None:
                 tick(len(idx))
     return out
 
 
-def last_token_states(model, tokenizer, texts: Sequence[str], layer: int, batch_size: int = 32,
-                      desc: str | None = None) -> torch.Tensor:
+def last_token_states(
+    model, tokenizer, texts: Sequence[str], layer: int, batch_size: int = 32, desc: str | None = None
+) -> torch.Tensor:
     """Normalized state at the last token of each text, (len(texts), d)."""
     seqs = [encode_prompt(tokenizer, t) for t in texts]
     return collect_states(model, tokenizer, seqs, layer, [[len(s) - 1] for s in seqs], batch_size, desc).states

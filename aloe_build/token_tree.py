@@ -119,10 +119,17 @@ def _tree_inputs(trees: Sequence[TokenTree], pid: int, dtype: torch.dtype, devic
     return {"input_ids": ids.to(device), "position_ids": pos.to(device), "attention_mask": mask.to(device)}
 
 
-def collect_states_tree(model: nn.Module, tokenizer, sequences: Sequence[Sequence[int]], layer: int,
-                        positions: Sequence[Sequence[int]] | None = None, pack_tokens: int = PACK_TOKENS,
-                        trees_per_pass: int = TREES_PER_PASS, desc: str | None = None,
-                        tick: Tick | None = None) -> StateBatch:
+def collect_states_tree(
+    model: nn.Module,
+    tokenizer,
+    sequences: Sequence[Sequence[int]],
+    layer: int,
+    positions: Sequence[Sequence[int]] | None = None,
+    pack_tokens: int = PACK_TOKENS,
+    trees_per_pass: int = TREES_PER_PASS,
+    desc: str | None = None,
+    tick: Tick | None = None,
+) -> StateBatch:
     """:func:`aloe_build.states.collect_states`, each distinct prefix computed once (``desc``: a
     progress bar over the passes; ``tick``: called with the sequences each pass finished). A model
     whose attention ignores custom masks runs plain padded passes instead."""
@@ -138,14 +145,14 @@ def collect_states_tree(model: nn.Module, tokenizer, sequences: Sequence[Sequenc
     dtype = next(model.parameters()).dtype
     with capture_down_proj_input(model, layer) as box:
         for start in tqdm(range(0, len(trees), trees_per_pass), desc=desc, disable=desc is None, leave=False):
-            batch = trees[start: start + trees_per_pass]
+            batch = trees[start : start + trees_per_pass]
             h = run_captured(model, box, **_tree_inputs(batch, pid, dtype, device))
             for b, t in enumerate(batch):
                 for j, path in zip(t.members, t.nodes):
                     i = nonempty[j]
                     if keep[i]:
                         at = torch.tensor([path[p] for p in keep[i]], dtype=torch.long, device=device)
-                        states[int(offsets[i]): int(offsets[i + 1])] = normalize_rows(h[b, at]).cpu()
+                        states[int(offsets[i]) : int(offsets[i + 1])] = normalize_rows(h[b, at]).cpu()
             if tick is not None:
                 tick(sum(len(t.members) for t in batch))
     return out

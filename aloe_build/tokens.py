@@ -36,7 +36,7 @@ def encode_continuation(tokenizer, prompt: str, text: str) -> tuple[tuple[int, .
     p = encode_prompt(tokenizer, prompt)
     f = encode_prompt(tokenizer, prompt + " " + text.strip())
     if len(f) > len(p) and f[: len(p)] == p:
-        cont = f[len(p):]
+        cont = f[len(p) :]
     else:
         cont = encode_prompt(tokenizer, " " + text.strip(), special=False)
     if not cont:
@@ -129,8 +129,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Ten
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if len(s):
-            ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     return ids.to(device), mask.to(device), pos.to(device)
 

@@ -19,15 +19,16 @@ import torch
 from .options import add_device_args
 
 DEMO_EDITS = Path(__file__).resolve().parents[1] / "examples" / "demo_edits.jsonl"
+
+
 def greedy(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 6, batch_size: int = 16) -> list[str]:
     """Greedy continuations of raw-text prompts (left padding)."""
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        enc = tokenizer(list(prompts[start: start + batch_size]), return_tensors="pt", padding=True).to(model.device)
+        enc = tokenizer(list(prompts[start : start + batch_size]), return_tensors="pt", padding=True).to(model.device)
         with torch.no_grad():
-            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-        out += [tokenizer.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True) for row in ids]
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out += [tokenizer.decode(row[enc["input_ids"].shape[1] :], skip_special_tokens=True) for row in ids]
     return out
 
 
@@ -42,8 +43,14 @@ def chat_texts(model, tokenizer, questions: Sequence[str]) -> list[str]:
     return [tokenizer.decode(a, skip_special_tokens=True) for a in chat_answers(model, tokenizer, questions)]
 
 
-def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit: int | None = None,
-             device: str | None = None, dtype: str | None = None) -> dict:
+def run_demo(
+    edits_path: Path,
+    out_dir: Path,
+    model_name: str = "smollm2",
+    limit: int | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> dict:
     """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
     from aloe_eval.chat import contains_target
@@ -75,8 +82,7 @@ def run_demo(edits_path: Path, out_dir: Path, model_name: str = "smollm2", limit
     restored = greedy(model, tokenizer, controls)
 
     with_reph = [r for r in requests if r.rephrases]
-    rows = [("request", prompts, requests), ("in-context request", in_ctx, requests),
-            ("paraphrase", rephrases, with_reph)]
+    rows = [("request", prompts, requests), ("in-context request", in_ctx, requests), ("paraphrase", rephrases, with_reph)]
     scores = {}
     for (kind, texts, reqs), b, a in zip(rows, before, after):
         print(f"\n== {kind}s ==")

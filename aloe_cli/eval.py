@@ -104,15 +104,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     editor = None
     if op is not None:
         if args.layer is not None and op.layer is not None and args.layer != op.layer:
-            print(f"aloe eval: error: --layer {args.layer} but the operator was built for layer {op.layer}",
-                  file=sys.stderr)
+            print(f"aloe eval: error: --layer {args.layer} but the operator was built for layer {op.layer}", file=sys.stderr)
             return 2
         if op.layer is None and args.layer is None:
             print("aloe eval: error: the operator records no layer; pass --layer", file=sys.stderr)
             return 2
         op_dtype = None if args.operator_dtype == "served" else resolve_dtype(args.operator_dtype, torch.device("cpu"))
-        editor = AloeEditor(op, check_fingerprint=not args.no_check_fingerprint,
-                            layer=args.layer if op.layer is None else None, dtype=op_dtype)
+        editor = AloeEditor(
+            op, check_fingerprint=not args.no_check_fingerprint, layer=args.layer if op.layer is None else None, dtype=op_dtype
+        )
     meta = {
         "data_file": str(edits_path),
         "data_sha256": file_sha256(edits_path),
@@ -132,9 +132,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             ChunkStore(out / PARTS_DIR).clear()  # chat.json holds every answer saved there
             return 0
     try:
-        report = evaluate(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
-                          baseline=baselines, layer=args.layer, grace_config=grace_cfg, meta=meta,
-                          chunk_edits=args.chunk_edits, parts_dir=out / PARTS_DIR)
+        report = evaluate(
+            model,
+            tokenizer,
+            requests,
+            editor,
+            batch_size=args.batch_size,
+            progress=not args.quiet,
+            baseline=baselines,
+            layer=args.layer,
+            grace_config=grace_cfg,
+            meta=meta,
+            chunk_edits=args.chunk_edits,
+            parts_dir=out / PARTS_DIR,
+        )
     except AloeError as exc:
         print(f"aloe eval: error: {exc}", file=sys.stderr)
         return 2
@@ -153,13 +164,27 @@ def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: di
     # the answers are saved under OUT/parts as they come, so an interrupted run resumes there; the
     # unedited model's answers go to a cache that every evaluation of the same model reads
     param = next(model.parameters())
-    model_context = {"weight": weight_fingerprint(locate_down_proj(model, editor.layer).weight()),
-                     "layer": editor.layer, "dtype": str(param.dtype), "device": param.device.type,
-                     "template": chat_template_key(tokenizer)}
+    model_context = {
+        "weight": weight_fingerprint(locate_down_proj(model, editor.layer).weight()),
+        "layer": editor.layer,
+        "dtype": str(param.dtype),
+        "device": param.device.type,
+        "template": chat_template_key(tokenizer),
+    }
     context = {"operator": editor.op.fingerprint(), "operator_dtype": args.operator_dtype}
-    result = chat_evaluation(model, tokenizer, requests, editor, batch_size=args.batch_size, progress=not args.quiet,
-                             systems=systems, parts=ChunkStore(out / PARTS_DIR), context=context,
-                             model_context=model_context, unedited_parts=ChunkStore(cache_root() / CHAT_ANSWERS_CACHE))
+    result = chat_evaluation(
+        model,
+        tokenizer,
+        requests,
+        editor,
+        batch_size=args.batch_size,
+        progress=not args.quiet,
+        systems=systems,
+        parts=ChunkStore(out / PARTS_DIR),
+        context=context,
+        model_context=model_context,
+        unedited_parts=ChunkStore(cache_root() / CHAT_ANSWERS_CACHE),
+    )
     result["meta"] = meta
     out.mkdir(parents=True, exist_ok=True)
     (out / "chat.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
@@ -179,8 +204,7 @@ def _cmd_sequential(args: argparse.Namespace) -> int:
     requests = load_edits(Path(args.edits), args.limit, skip_invalid=args.skip_invalid)
     model, tokenizer = load_model_for(args)
     out = Path(args.out) if args.out else _default_out(args).with_name(_default_out(args).name + f"_seq{args.sequential}")
-    result = run_sequential(model, tokenizer, requests, args.sequential, out, batch_size=args.batch_size,
-                            progress=not args.quiet)
+    result = run_sequential(model, tokenizer, requests, args.sequential, out, batch_size=args.batch_size, progress=not args.quiet)
     print(f"wrote {out / 'sequential.json'} and {out / 'retention.png'} ({len(result['steps'])} steps)")
     return 0
 
@@ -201,38 +225,73 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--edits", required=True, help="edit file (any format aloe_build.data.load_edits reads)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N edits of the file")
     p.add_argument("--skip-invalid", action="store_true", help="drop invalid records instead of failing")
-    p.add_argument("--out", default=None,
-                   help="output directory (default benchmarks/results/eval_<model>_<data stem>[_n<limit>])")
-    p.add_argument("--baseline", action="append", choices=["grace", "unedited"], default=None,
-                   help="also score this baseline on the same model, layer and stream (repeatable); the unedited "
-                   "model is always scored unless --no-unedited")
+    p.add_argument(
+        "--out", default=None, help="output directory (default benchmarks/results/eval_<model>_<data stem>[_n<limit>])"
+    )
+    p.add_argument(
+        "--baseline",
+        action="append",
+        choices=["grace", "unedited"],
+        default=None,
+        help="also score this baseline on the same model, layer and stream (repeatable); the unedited "
+        "model is always scored unless --no-unedited",
+    )
     p.add_argument("--no-unedited", action="store_true", help="do not score the unedited model as a baseline")
-    p.add_argument("--layer", type=int, default=None,
-                   help="edited layer for baselines (default: the operator's layer, else the model's default)")
+    p.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        help="edited layer for baselines (default: the operator's layer, else the model's default)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (default 32)")
-    p.add_argument("--chunk-edits", type=int, default=500, metavar="N",
-                   help="score N edits at a time, each chunk saved under OUT/parts as it finishes, so that an "
-                   "interrupted run resumes there (default 500; the numbers do not depend on it)")
+    p.add_argument(
+        "--chunk-edits",
+        type=int,
+        default=500,
+        metavar="N",
+        help="score N edits at a time, each chunk saved under OUT/parts as it finishes, so that an "
+        "interrupted run resumes there (default 500; the numbers do not depend on it)",
+    )
     p.add_argument("--grace-eps", type=float, default=None, help="GRACE initial deferral radius (default 1.0)")
     p.add_argument("--grace-iters", type=int, default=None, help="GRACE value-training iterations (default 100)")
-    p.add_argument("--no-check-fingerprint", action="store_true",
-                   help="apply the operator even if its weight fingerprint does not match the model")
+    p.add_argument(
+        "--no-check-fingerprint",
+        action="store_true",
+        help="apply the operator even if its weight fingerprint does not match the model",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures (their data still goes to eval_plots.json)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--sequential", type=int, default=0, metavar="K",
-                   help="lifelong protocol: build the first of K batches, append the others one by one, and score "
-                   "all edits so far after each (operators in OUT/op<k>, curve in OUT/sequential.json, "
-                   "OUT/retention.png; resumable)")
+    p.add_argument(
+        "--sequential",
+        type=int,
+        default=0,
+        metavar="K",
+        help="lifelong protocol: build the first of K batches, append the others one by one, and score "
+        "all edits so far after each (operators in OUT/op<k>, curve in OUT/sequential.json, "
+        "OUT/retention.png; resumable)",
+    )
     add_device_args(p)
-    p.add_argument("--chat", default="off", choices=("off", "also", "only"),
-                   help="also (or only) ask each request through the model's chat template, with its default and "
-                        "with a custom system prompt (chat.json, chat.md); the unedited model's answers are kept "
-                        "under $ALOE_CACHE/chat-answers (default ~/.cache/aloe) for the next evaluation")
-    p.add_argument("--chat-system", action="append", metavar="TEXT",
-                   help="with --chat: also ask after this system prompt (repeatable; reported as system_1, ...)")
-    p.add_argument("--operator-dtype", default="served", choices=("served",) + DTYPE_CHOICES[1:],
-                   help="precision of the patched operator (default served: float32 on CPU, the model's dtype on "
-                   "a GPU, as the HF patch and vLLM serve it); bfloat16 on CPU reproduces a GPU's numbers")
+    p.add_argument(
+        "--chat",
+        default="off",
+        choices=("off", "also", "only"),
+        help="also (or only) ask each request through the model's chat template, with its default and "
+        "with a custom system prompt (chat.json, chat.md); the unedited model's answers are kept "
+        "under $ALOE_CACHE/chat-answers (default ~/.cache/aloe) for the next evaluation",
+    )
+    p.add_argument(
+        "--chat-system",
+        action="append",
+        metavar="TEXT",
+        help="with --chat: also ask after this system prompt (repeatable; reported as system_1, ...)",
+    )
+    p.add_argument(
+        "--operator-dtype",
+        default="served",
+        choices=("served",) + DTYPE_CHOICES[1:],
+        help="precision of the patched operator (default served: float32 on CPU, the model's dtype on "
+        "a GPU, as the HF patch and vLLM serve it); bfloat16 on CPU reproduces a GPU's numbers",
+    )
     p.set_defaults(func=_cmd_eval)
     return p

@@ -122,9 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from aloe_build.models import ModelLoadError
         from aloe_kernels.errors import AloeError
 
-        if isinstance(exc, (AloeError, FileNotFoundError, EditDataError, BuildError, ModelLoadError,
-                            BuildStateError)):
+        if isinstance(exc, (AloeError, FileNotFoundError, EditDataError, BuildError, ModelLoadError, BuildStateError)):
             print(f"aloe {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise
-

@@ -17,9 +17,17 @@ def _cmd_mechanism(args: argparse.Namespace) -> int:
     cfg = BuildConfig.from_dict(overrides)
     model, tokenizer = load_model_for(args)
     layer = args.layer if args.layer is not None else default_layer(model)
-    study = mechanism_study(model, tokenizer, args.corpus, layer, cfg, seeds=args.seeds,
-                            dev_items=args.dev_items or PAPER_DEV_ITEMS, protocols=args.protocol,
-                            states_path=args.states)
+    study = mechanism_study(
+        model,
+        tokenizer,
+        args.corpus,
+        layer,
+        cfg,
+        seeds=args.seeds,
+        dev_items=args.dev_items or PAPER_DEV_ITEMS,
+        protocols=args.protocol,
+        states_path=args.states,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     study["config"] = overrides
@@ -37,24 +45,35 @@ def add_mechanism_cli(subparsers: argparse._SubParsersAction) -> argparse.Argume
     from .options import add_device_args
 
     p = subparsers.add_parser(
-        "mechanism", help="score the address encoder's objective on held-out items against the raw control",
+        "mechanism",
+        help="score the address encoder's objective on held-out items against the raw control",
         description="Train stage-1 encoders on a CounterFact-style file's training part (one per seed) and score "
-                    "them on its development part with a threshold from its calibration part: scope AUC, "
-                    "recall, 16-way same-subject top-1 and negative FPR, learned vs an equal-dimension "
-                    "raw-activation control.")
+        "them on its development part with a threshold from its calibration part: scope AUC, "
+        "recall, 16-way same-subject top-1 and negative FPR, learned vs an equal-dimension "
+        "raw-activation control.",
+    )
     p.add_argument("--model", required=True, help="'smollm2' or a local transformers directory")
     p.add_argument("--corpus", required=True, help="CounterFact-style file (e.g. CounterFact train)")
     p.add_argument("--out", required=True, help="directory for mechanism.json and mechanism.md")
     p.add_argument("--layer", type=int, default=None, help="edited decoder layer (default: the model family's)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 42, 99], help="training seeds (default 0 42 99)")
     p.add_argument("--dev-items", type=int, default=None, help="development items (default 632, as the paper)")
-    p.add_argument("--protocol", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS),
-                   help="subject: the paper's (relations shared, subjects disjoint); relation: held-out relations")
+    p.add_argument(
+        "--protocol",
+        nargs="+",
+        choices=PROTOCOLS,
+        default=list(PROTOCOLS),
+        help="subject: the paper's (relations shared, subjects disjoint); relation: held-out relations",
+    )
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field (stage 1)")
-    p.add_argument("--states", default=None, metavar="FILE",
-                   help="safetensors file of the collected states: read when it was made for the same model, layer, "
-                        "corpus and partitions, written otherwise (then each run with other --set values takes "
-                        "seconds to minutes instead of the state passes)")
+    p.add_argument(
+        "--states",
+        default=None,
+        metavar="FILE",
+        help="safetensors file of the collected states: read when it was made for the same model, layer, "
+        "corpus and partitions, written otherwise (then each run with other --set values takes "
+        "seconds to minutes instead of the state passes)",
+    )
     add_device_args(p)
     p.set_defaults(func=_cmd_mechanism)
     return p

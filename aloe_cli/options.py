@@ -10,10 +10,12 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
     """``--device`` and ``--dtype``: where the model runs and in which precision."""
-    p.add_argument("--device", default="auto",
-                   help="cpu, cuda or cuda:N (default auto: CUDA when present, else CPU); every stage runs there")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="model precision (default auto: bfloat16 on a GPU, float32 on CPU)")
+    p.add_argument(
+        "--device", default="auto", help="cpu, cuda or cuda:N (default auto: CUDA when present, else CPU); every stage runs there"
+    )
+    p.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="model precision (default auto: bfloat16 on a GPU, float32 on CPU)"
+    )
 
 
 def load_model_for(args: argparse.Namespace, name: str | None = None) -> tuple[Any, Any]:
@@ -32,8 +34,12 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
     from .settings_doc import settings_text
 
-    p.add_argument("--preset", default="default", choices=list(PRESETS),
-                   help="named settings (docs/options.md); --config and --set apply on top")
+    p.add_argument(
+        "--preset",
+        default="default",
+        choices=list(PRESETS),
+        help="named settings (docs/options.md); --config and --set apply on top",
+    )
     p.add_argument("--config", help="JSON file of BuildConfig fields")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field")
     p.epilog = settings_text()

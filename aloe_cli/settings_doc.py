@@ -20,11 +20,19 @@ def _rows() -> list[tuple[str, str, str, str]]:
     from aloe_build.config import GROUPS, BuildConfig
 
     group_of = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
-    specs = sorted(BuildConfig.field_specs(), key=lambda f: (list(GROUPS).index(group_of[f.name]) + 1
-                                                            if f.name in group_of else 0, f.metadata["stage"]))
-    return [(group_of.get(f.name, "core"), f.name, repr(f.default if f.default is not dataclasses.MISSING
-                                                         else f.default_factory()), f.metadata["help"])
-            for f in specs]
+    specs = sorted(
+        BuildConfig.field_specs(),
+        key=lambda f: (list(GROUPS).index(group_of[f.name]) + 1 if f.name in group_of else 0, f.metadata["stage"]),
+    )
+    return [
+        (
+            group_of.get(f.name, "core"),
+            f.name,
+            repr(f.default if f.default is not dataclasses.MISSING else f.default_factory()),
+            f.metadata["help"],
+        )
+        for f in specs
+    ]
 
 
 def settings_text(width: int = 100) -> str:
@@ -61,8 +69,11 @@ def settings_markdown() -> str:
     for g, name, default, help_text in _rows():
         if g != group:
             group = g
-            title = {"core": "Core", "chat": "Chat (`BuildConfig.chat`)",
-                     "experimental": "Experimental (`BuildConfig.experimental`; setting one warns)"}[g]
+            title = {
+                "core": "Core",
+                "chat": "Chat (`BuildConfig.chat`)",
+                "experimental": "Experimental (`BuildConfig.experimental`; setting one warns)",
+            }[g]
             out += ["", f"### {title}", "", "| field | default | stage | what it does |", "|---|---|---|---|"]
         stage = _stage_of(name)
         where = f"{stage} ({STAGES[stage]})" if stage else "all"

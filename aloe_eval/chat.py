@@ -47,20 +47,35 @@ def starts_with_target(answer: str, target: str) -> bool:
     return answer.strip().lower().startswith(target.strip().lower())
 
 
-def chat_answers(model, tokenizer, questions: Sequence[str], system: str | None = None, *,
-                 tokens: int = CHAT_TOKENS, batch_size: int = 32, progress: bool = False,
-                 desc: str = "chat answers") -> list[list[int]]:
+def chat_answers(
+    model,
+    tokenizer,
+    questions: Sequence[str],
+    system: str | None = None,
+    *,
+    tokens: int = CHAT_TOKENS,
+    batch_size: int = 32,
+    progress: bool = False,
+    desc: str = "chat answers",
+) -> list[list[int]]:
     """Greedy answers (token ids, cut after the end of turn) of ``questions`` asked as the user
     turn of the model's chat template, after ``system`` (None: the template's default)."""
     prompts = [chat_prompt(tokenizer, q, system) for q in questions]
     stops = stop_ids(tokenizer)
-    gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size,
-                           progress=progress, desc=desc)
+    gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size, progress=progress, desc=desc)
     return [until_end(g, stops) for g in gens]
 
 
-def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system: str | None, hit: Sequence[bool],
-              open_threshold: float = 0.5, batch_size: int = 32) -> dict[str, Any]:
+def own_gates(
+    model,
+    tokenizer,
+    requests: Sequence[Any],
+    editor: Editor,
+    system: str | None,
+    hit: Sequence[bool],
+    open_threshold: float = 0.5,
+    batch_size: int = 32,
+) -> dict[str, Any]:
     """Statistics of each request's own-slot gate at the last token of its chat prompt (module doc)."""
     seqs = [chat_prompt(tokenizer, r.prompt, system) for r in requests]
     h = collect_states(model, tokenizer, seqs, editor.layer, [[len(q) - 1] for q in seqs], batch_size).states
@@ -73,15 +88,26 @@ def own_gates(model, tokenizer, requests: Sequence[Any], editor: Editor, system:
             missed.append(not hit[i])
     g = torch.tensor(own)
     m = torch.tensor(missed, dtype=torch.bool)
-    return {"open_threshold": open_threshold, "mapped": len(own),
-            "own_gate_mean": float(g.mean()) if own else None,
-            "open_share": float((g >= open_threshold).float().mean()) if own else None,
-            "misses": {"address": int((m & (g < open_threshold)).sum()), "write": int((m & (g >= open_threshold)).sum())}}
+    return {
+        "open_threshold": open_threshold,
+        "mapped": len(own),
+        "own_gate_mean": float(g.mean()) if own else None,
+        "open_share": float((g >= open_threshold).float().mean()) if own else None,
+        "misses": {"address": int((m & (g < open_threshold)).sum()), "write": int((m & (g >= open_threshold)).sum())},
+    }
 
 
-def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[list[int]],
-                           unedited: Sequence[list[int]], edited: Sequence[list[int]], owner_slots: Sequence[Collection[int]],
-                           open_threshold: float = 0.5, batch_size: int = 32) -> dict[str, Any]:
+def changed_locality_gates(
+    model,
+    tokenizer,
+    editor: Editor,
+    prompts: Sequence[list[int]],
+    unedited: Sequence[list[int]],
+    edited: Sequence[list[int]],
+    owner_slots: Sequence[Collection[int]],
+    open_threshold: float = 0.5,
+    batch_size: int = 32,
+) -> dict[str, Any]:
     """Where the changed chat-locality answers changed: for each, the largest gate of any slot on the
     states that predict its answer up to the first changed token (the chat prompt, then the unedited
     answer so far), counted by size (``open``: at least ``open_threshold``; ``small``; ``closed``: no
@@ -91,8 +117,16 @@ def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[l
     for p, a, b in zip(prompts, unedited, edited):
         seqs.append(list(p) + list(a[: common_prefix_length(a, b)]))
         prompt_lens.append(len(p))
-    counts = {"changed": len(seqs), "open": 0, "small": 0, "closed": 0, "own_slot": 0, "other_slot": 0,
-              "in_prompt": 0, "in_answer": 0}
+    counts = {
+        "changed": len(seqs),
+        "open": 0,
+        "small": 0,
+        "closed": 0,
+        "own_slot": 0,
+        "other_slot": 0,
+        "in_prompt": 0,
+        "in_answer": 0,
+    }
     if not seqs:
         return counts
     batch = collect_states(model, tokenizer, seqs, editor.layer, None, batch_size)
@@ -108,11 +142,22 @@ def changed_locality_gates(model, tokenizer, editor: Editor, prompts: Sequence[l
     return counts
 
 
-def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *, batch_size: int = 32,
-                    progress: bool = True, systems: dict[str, str | None] | None = None,
-                    tokens: int = CHAT_TOKENS, open_threshold: float = 0.5, parts: ChunkStore | None = None,
-                    context: Any = None, model_context: Any = None,
-                    unedited_parts: ChunkStore | None = None) -> dict[str, Any]:
+def chat_evaluation(
+    model,
+    tokenizer,
+    requests: Sequence[Any],
+    editor: Editor,
+    *,
+    batch_size: int = 32,
+    progress: bool = True,
+    systems: dict[str, str | None] | None = None,
+    tokens: int = CHAT_TOKENS,
+    open_threshold: float = 0.5,
+    parts: ChunkStore | None = None,
+    context: Any = None,
+    model_context: Any = None,
+    unedited_parts: ChunkStore | None = None,
+) -> dict[str, Any]:
     """Score ``editor`` on ``requests`` in chat form, once per system prompt (see the module doc).
 
     With ``parts`` each list of answers is saved there as soon as it is generated, keyed by
@@ -129,16 +174,23 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
         locs = [lp.prompt for r in requests for lp in r.locality]
 
         def answers(desc: str, questions=asks, edited: bool = True) -> list[list[int]]:
-            key = content_key([ANSWERS_FORMAT, model_context, context if edited else None, desc, system, tokens,
-                               list(questions)])
+            key = content_key([ANSWERS_FORMAT, model_context, context if edited else None, desc, system, tokens, list(questions)])
             # an edited list has one file per evaluation; an unedited one, one per key (the store may be shared)
             file = f"chat-{content_key([name, desc])}" if edited else f"chat-unedited-{key}"
             store = parts if edited or unedited_parts is None else unedited_parts
             saved = store.read(file, key) if store is not None else None
             if saved is not None:
                 return saved["answers"]
-            got = chat_answers(model, tokenizer, questions, system, tokens=tokens, batch_size=batch_size,
-                               progress=progress, desc=f"chat ({name}): {desc}")
+            got = chat_answers(
+                model,
+                tokenizer,
+                questions,
+                system,
+                tokens=tokens,
+                batch_size=batch_size,
+                progress=progress,
+                desc=f"chat ({name}): {desc}",
+            )
             if store is not None:
                 store.write(file, key, {"answers": got})
             return got
@@ -162,42 +214,61 @@ def chat_evaluation(model, tokenizer, requests: Sequence[Any], editor: Editor, *
             "efficacy": sum(hit) / len(hit),
             "efficacy_prefix": sum(starts_with_target(t, y) for t, y in zip(text, targets)) / len(text),
             "unedited_efficacy": sum(contains_target(t, y) for t, y in zip(base_text, targets)) / len(text),
-            "locality": (sum(sum(v) / len(v) for v in stable_by_edit.values()) / len(stable_by_edit)
-                         if stable_by_edit else None),
+            "locality": (sum(sum(v) / len(v) for v in stable_by_edit.values()) / len(stable_by_edit) if stable_by_edit else None),
             "locality_prompts": len(locs),
-            "misses": [{"request": r.prompt, "target": r.target_new, "answer": t}
-                       for r, t, h in zip(requests, text, hit) if not h][:10],
+            "misses": [
+                {"request": r.prompt, "target": r.target_new, "answer": t} for r, t, h in zip(requests, text, hit) if not h
+            ][:10],
         }
         if editor.has_slots and editor.layer is not None:
             out[name]["gates"] = own_gates(model, tokenizer, requests, editor, system, hit, open_threshold, batch_size)
             changed = [k for k, (a, b) in enumerate(zip(loc, base_loc)) if a != b]
             loc_prompts = [chat_prompt(tokenizer, locs[k], system) for k in changed]
             out[name]["locality_changes"] = changed_locality_gates(
-                model, tokenizer, editor, loc_prompts, [base_loc[k] for k in changed], [loc[k] for k in changed],
-                [editor.edit_slots(requests[loc_owner[k]], loc_owner[k]) for k in changed], open_threshold, batch_size)
+                model,
+                tokenizer,
+                editor,
+                loc_prompts,
+                [base_loc[k] for k in changed],
+                [loc[k] for k in changed],
+                [editor.edit_slots(requests[loc_owner[k]], loc_owner[k]) for k in changed],
+                open_threshold,
+                batch_size,
+            )
     return out
 
 
 def chat_markdown(result: dict[str, Any]) -> str:
     """One row per system prompt."""
-    lines = ["| system prompt | efficacy (target in answer) | exact prefix | unedited | chat locality "
-             "| own gate open | mean own gate | misses: address / write |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system prompt | efficacy (target in answer) | exact prefix | unedited | chat locality "
+        "| own gate open | mean own gate | misses: address / write |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in result.items():
         if isinstance(r, dict) and "efficacy" in r:
             loc = "n/a" if r["locality"] is None else f"{r['locality']:.4f}"
             g = r.get("gates")
-            gates = (f"{g['open_share']:.4f} | {g['own_gate_mean']:.4f} | {g['misses']['address']} / {g['misses']['write']}"
-                     if g and g["mapped"] else "n/a | n/a | n/a")
-            lines.append(f"| {name} | {r['efficacy']:.4f} | {r['efficacy_prefix']:.4f} | "
-                         f"{r['unedited_efficacy']:.4f} | {loc} | {gates} |")
-    changes = [(name, r["locality_changes"]) for name, r in result.items()
-               if isinstance(r, dict) and "locality_changes" in r]
+            gates = (
+                f"{g['open_share']:.4f} | {g['own_gate_mean']:.4f} | {g['misses']['address']} / {g['misses']['write']}"
+                if g and g["mapped"]
+                else "n/a | n/a | n/a"
+            )
+            lines.append(
+                f"| {name} | {r['efficacy']:.4f} | {r['efficacy_prefix']:.4f} | {r['unedited_efficacy']:.4f} | {loc} | {gates} |"
+            )
+    changes = [(name, r["locality_changes"]) for name, r in result.items() if isinstance(r, dict) and "locality_changes" in r]
     if changes:
-        lines += ["", "Changed chat-locality answers, by the largest gate before the first changed token:", "",
-                  "| system prompt | changed | gate open / small / none | own edit's slot / another | in prompt / in answer |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Changed chat-locality answers, by the largest gate before the first changed token:",
+            "",
+            "| system prompt | changed | gate open / small / none | own edit's slot / another | in prompt / in answer |",
+            "|---|---|---|---|---|",
+        ]
         for name, c in changes:
-            lines.append(f"| {name} | {c['changed']} | {c['open']} / {c['small']} / {c['closed']} | "
-                         f"{c['own_slot']} / {c['other_slot']} | {c['in_prompt']} / {c['in_answer']} |")
+            lines.append(
+                f"| {name} | {c['changed']} | {c['open']} / {c['small']} / {c['closed']} | "
+                f"{c['own_slot']} / {c['other_slot']} | {c['in_prompt']} / {c['in_answer']} |"
+            )
     return "\n".join(lines)

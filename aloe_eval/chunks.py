@@ -36,10 +36,16 @@ def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:
 def chunk_key(requests: Sequence[Any], lo: int, context: dict[str, Any]) -> str:
     """What a chunk's scores depend on: its edits (position, id, every prompt and target) and the
     evaluation's ``context`` (editors, operator hash, layer, settings)."""
+
     def edit(r: Any) -> list:
-        return [getattr(r, "id", None), r.prompt, r.target_new, list(r.rephrases),
-                [[lp.prompt, lp.kind, lp.ground_truth] for lp in r.locality],
-                [[pp.prompt, pp.kind, pp.ground_truth] for pp in r.portability]]
+        return [
+            getattr(r, "id", None),
+            r.prompt,
+            r.target_new,
+            list(r.rephrases),
+            [[lp.prompt, lp.kind, lp.ground_truth] for lp in r.locality],
+            [[pp.prompt, pp.kind, pp.ground_truth] for pp in r.portability],
+        ]
 
     return content_key([CHUNK_FORMAT, lo, context, [edit(r) for r in requests]])
 
@@ -84,8 +90,9 @@ class ChunkStore:
         data = self.read(f"chunk-{k:05d}", key)
         if data is None:
             return None
-        return {name: EditorResult(v["name"], v["summary"], v["rows"], v["info"], v["plots"])
-                for name, v in data["editors"].items()}
+        return {
+            name: EditorResult(v["name"], v["summary"], v["rows"], v["info"], v["plots"]) for name, v in data["editors"].items()
+        }
 
     def put(self, k: int, key: str, results: dict[str, EditorResult]) -> None:
         self.write(f"chunk-{k:05d}", key, {"editors": {n: r.to_dict() for n, r in results.items()}})

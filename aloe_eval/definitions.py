@@ -34,8 +34,10 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "diagnostics.open": "gate >= open_threshold",
     "diagnostics.address_failure": "a miss whose matched gate is not open",
     "diagnostics.write_failure": "a miss whose matched gate is open",
-    "diagnostics.hits_own_gate_shut": ("hits whose matched gate is not open: the answer came from another slot "
-                                       "(of an edit with the same target) or from the model"),
+    "diagnostics.hits_own_gate_shut": (
+        "hits whose matched gate is not open: the answer came from another slot "
+        "(of an edit with the same target) or from the model"
+    ),
     "locality_states.drift": "|s_edit - s_unedited| / |s_unedited| of the final hidden state (LM-head input) at the "
     "last prompt token of a locality prompt",
     "locality_states.next_token_agreement": "share of locality prompts whose argmax next token is unchanged",

@@ -47,8 +47,7 @@ class Editor:
 
     def edit_slots(self, request: Any, index: int) -> tuple[int, ...]:
         """Every slot of the request's edit: its slot and, where it differs, its chat slot."""
-        return tuple(dict.fromkeys(s for s in (self.slot_of(request, index), self.chat_slot_of(request, index))
-                                   if s is not None))
+        return tuple(dict.fromkeys(s for s in (self.slot_of(request, index), self.chat_slot_of(request, index)) if s is not None))
 
     def info(self) -> dict[str, Any]:
         return {}
@@ -72,8 +71,9 @@ class UneditedEditor(Editor):
 class AloeEditor(Editor):
     """An ALOE operator patched into the model with :func:`aloe_kernels.apply_aloe`."""
 
-    def __init__(self, op, name: str = "ALOE", check_fingerprint: bool = True, layer: int | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self, op, name: str = "ALOE", check_fingerprint: bool = True, layer: int | None = None, dtype: torch.dtype | None = None
+    ):
         """``dtype``: precision of the patched operator (``None``: as served, see :func:`apply_aloe`)."""
         if not isinstance(op, AloeOperator):
             raise TypeError(f"AloeEditor needs an AloeOperator, got {type(op).__name__}")

@@ -33,18 +33,26 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ("total time", f"{meta['timings']['total_s']:.1f} s" if meta.get("timings", {}).get("total_s") else None),
     ]
     lines += [f"- **{k}**: {v}" for k, v in facts if v is not None]
-    lines += ["", "## Paper protocol (greedy-generation exact match)", "",
-              "| Editor | Eff. | Gen. | Loc. | Port. |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Paper protocol (greedy-generation exact match)",
+        "",
+        "| Editor | Eff. | Gen. | Loc. | Port. |",
+        "|---|---|---|---|---|",
+    ]
     for name, e in eds.items():
         p = e["summary"]["paper"]
-        lines.append(f"| {name} | {_f(p['efficacy'])} | {_f(p['generalization'])} | {_f(p['locality'])} | "
-                     f"{_f(p['portability'])} |")
+        lines.append(
+            f"| {name} | {_f(p['efficacy'])} | {_f(p['generalization'])} | {_f(p['locality'])} | {_f(p['portability'])} |"
+        )
     for name, e in eds.items():
         left_out = e["summary"]["counts"].get("locality_prompts_edited_in_stream")
         if left_out:
-            lines.append(f"\n{name}: {left_out} locality prompts are requests of edits in this stream (their "
-                         f"answers are meant to change); locality without them "
-                         f"{_f(e['summary']['paper'].get('locality_outside_stream'))}.")
+            lines.append(
+                f"\n{name}: {left_out} locality prompts are requests of edits in this stream (their "
+                f"answers are meant to change); locality without them "
+                f"{_f(e['summary']['paper'].get('locality_outside_stream'))}."
+            )
     kinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["portability_by_kind"]})
     lkinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["locality_by_kind"]})
     if len(lkinds) > 1 or kinds:
@@ -54,26 +62,34 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             p = e["summary"]["paper"]
             vals = [p["locality_by_kind"].get(k) for k in lkinds] + [p["portability_by_kind"].get(k) for k in kinds]
             lines.append(f"| {name} | " + " | ".join(_f(v) for v in vals) + " |")
-    lines += ["", "## EasyEdit teacher-forced token accuracy (not comparable with the table above)", "",
-              "| Editor | rewrite_acc | rephrase_acc | locality | portability |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## EasyEdit teacher-forced token accuracy (not comparable with the table above)",
+        "",
+        "| Editor | rewrite_acc | rephrase_acc | locality | portability |",
+        "|---|---|---|---|---|",
+    ]
     for name, e in eds.items():
         q = e["summary"]["easyedit"]
-        lines.append(f"| {name} | {_f(q['rewrite_acc'])} | {_f(q['rephrase_acc'])} | {_f(q['locality'])} | "
-                     f"{_f(q['portability'])} |")
-    lines += ["", "## Locality states", "", "| Editor | mean drift | median drift | next-token agreement |",
-              "|---|---|---|---|"]
+        lines.append(
+            f"| {name} | {_f(q['rewrite_acc'])} | {_f(q['rephrase_acc'])} | {_f(q['locality'])} | {_f(q['portability'])} |"
+        )
+    lines += ["", "## Locality states", "", "| Editor | mean drift | median drift | next-token agreement |", "|---|---|---|---|"]
     for name, e in eds.items():
         ls = e["summary"]["locality_states"]
         d = ls.get("drift") or {}
-        lines.append(f"| {name} | {_f(d.get('mean'), 4)} | {_f(d.get('median'), 4)} | "
-                     f"{_f(ls.get('next_token_agreement'))} |")
+        lines.append(f"| {name} | {_f(d.get('mean'), 4)} | {_f(d.get('median'), 4)} | {_f(ls.get('next_token_agreement'))} |")
     diag = [(n, e["summary"]["diagnostics"]) for n, e in eds.items() if "diagnostics" in e["summary"]]
     if diag:
-        lines += ["", f"## Mechanism diagnostics (open = gate >= {diag[0][1]['open_threshold']})", "",
-                  "| Editor | request gate (mean / median) | request open | dominates | rephrase gate (mean) | "
-                  "rephrase open | locality max gate (mean) | locality open | efficacy misses: address / write | "
-                  "generalization misses: address / write | generalization hits with own gate shut |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Mechanism diagnostics (open = gate >= {diag[0][1]['open_threshold']})",
+            "",
+            "| Editor | request gate (mean / median) | request open | dominates | rephrase gate (mean) | "
+            "rephrase open | locality max gate (mean) | locality open | efficacy misses: address / write | "
+            "generalization misses: address / write | generalization hits with own gate shut |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for name, d in diag:
             rg, pg, lg = d["request_matched_gate"] or {}, d["rephrase_matched_gate"] or {}, d["locality_max_gate"] or {}
             fe, fg = d["failures"]["efficacy"], d["failures"]["generalization"]
@@ -82,7 +98,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"{_f(d['matched_slot_dominates'])} | {_f(pg.get('mean'))} | {_f(d['rephrase_gate_open'])} | "
                 f"{_f(lg.get('mean'))} | {_f(d['locality_gate_open'])} | {fe['address']} / {fe['write']} of "
                 f"{fe['misses']} | {fg['address']} / {fg['write']} of {fg['misses']} | "
-                f"{d.get('hits_own_gate_shut', {}).get('generalization', '–')} |")
+                f"{d.get('hits_own_gate_shut', {}).get('generalization', '–')} |"
+            )
     lines += ["", "## Definitions", ""]
     lines += [f"- `{k}`: {v}" for k, v in report.get("definitions", METRIC_DEFINITIONS).items()]
     info_lines = []
@@ -97,4 +114,3 @@ def render_markdown(report: Mapping[str, Any]) -> str:
 # =============================================================================
 # Command line
 # =============================================================================
-

@@ -39,29 +39,49 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, dict]:
 
 
 def _describe(corpus: Corpus, part: Partition) -> dict:
-    return {"train": len(part.train), "calibration": len(part.calibration), "dev": len(part.dev),
-            "dev_relations": len({corpus.items[i].group for i in part.dev})}
+    return {
+        "train": len(part.train),
+        "calibration": len(part.calibration),
+        "dev": len(part.dev),
+        "dev_relations": len({corpus.items[i].group for i in part.dev}),
+    }
 
 
-def study_from_states(cs: CorpusStates, corpus: Corpus, parts: dict[str, Partition],
-                      keys: dict[str, torch.Tensor | None], cfg: BuildConfig, seeds: Sequence[int]) -> dict:
+def study_from_states(
+    cs: CorpusStates,
+    corpus: Corpus,
+    parts: dict[str, Partition],
+    keys: dict[str, torch.Tensor | None],
+    cfg: BuildConfig,
+    seeds: Sequence[int],
+) -> dict:
     """Each protocol's learned and raw-control metrics over ``seeds`` (states already collected)."""
     out: dict = {"seeds": list(seeds)}
     for protocol, part in parts.items():
         runs = [protocol_metrics(cs, corpus, part, keys[protocol], dataclasses.replace(cfg, seed=s)) for s in seeds]
-        out[protocol] = {"parts": _describe(corpus, part),
-                         **{kind: _summary([r[kind] for r in runs]) for kind in ("learned", "raw_control")}}
+        out[protocol] = {
+            "parts": _describe(corpus, part),
+            **{kind: _summary([r[kind] for r in runs]) for kind in ("learned", "raw_control")},
+        }
     return out
 
 
-def _states_identity(model, corpus_path: str | Path, layer: int, cfg: BuildConfig, dev_items: int,
-                     protocols: Sequence[str]) -> dict:
+def _states_identity(
+    model, corpus_path: str | Path, layer: int, cfg: BuildConfig, dev_items: int, protocols: Sequence[str]
+) -> dict:
     """What the collected states depend on: a states file made for another identity is not reused."""
     site = locate_down_proj(model, layer)
-    return {"weight": weight_fingerprint(site.weight()), "layer": layer,
-            "corpus_sha256": file_sha256(corpus_path),
-            "corpus_version": CORPUS_VERSION, "same_subject": cfg.encoder_same_subject, "seed": cfg.seed,
-            "batch_size": cfg.batch_size, "dev_items": dev_items, "protocols": sorted(protocols)}
+    return {
+        "weight": weight_fingerprint(site.weight()),
+        "layer": layer,
+        "corpus_sha256": file_sha256(corpus_path),
+        "corpus_version": CORPUS_VERSION,
+        "same_subject": cfg.encoder_same_subject,
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "dev_items": dev_items,
+        "protocols": sorted(protocols),
+    }
 
 
 def _save_states(path: Path, identity: dict, cs: CorpusStates, keys: dict[str, torch.Tensor | None]) -> None:
@@ -86,9 +106,17 @@ def _load_states(path: Path, identity: dict, protocols: Sequence[str]):
     return (cs, {p: t.get(f"keys.{p}") for p in protocols}), ""
 
 
-def mechanism_study(model, tokenizer, corpus_path: str | Path, layer: int, cfg: BuildConfig | None = None,
-                    seeds: Sequence[int] = PAPER_SEEDS, dev_items: int = PAPER_DEV_ITEMS,
-                    protocols: Sequence[str] = PROTOCOLS, states_path: str | Path | None = None) -> dict:
+def mechanism_study(
+    model,
+    tokenizer,
+    corpus_path: str | Path,
+    layer: int,
+    cfg: BuildConfig | None = None,
+    seeds: Sequence[int] = PAPER_SEEDS,
+    dev_items: int = PAPER_DEV_ITEMS,
+    protocols: Sequence[str] = PROTOCOLS,
+    states_path: str | Path | None = None,
+) -> dict:
     """Run the study on a CounterFact-style file (e.g. CounterFact train) at ``layer``. With
     ``states_path`` the collected states are read from there when they were made for the same model
     weight, layer, corpus and partitions, and written there otherwise, so that stage-1 settings can
@@ -116,15 +144,22 @@ def mechanism_study(model, tokenizer, corpus_path: str | Path, layer: int, cfg: 
 
 def mechanism_markdown(study: dict) -> str:
     """A table per protocol: mean ± std over seeds, learned vs raw control."""
-    lines = [f"`recall` and `negative_fpr` at the threshold maximizing calibration recall minus FPR; the `_at_budget` "
-             f"pair at the lowest threshold with calibration FPR ≤ {FPR_BUDGET}.", ""]
+    lines = [
+        f"`recall` and `negative_fpr` at the threshold maximizing calibration recall minus FPR; the `_at_budget` "
+        f"pair at the lowest threshold with calibration FPR ≤ {FPR_BUDGET}.",
+        "",
+    ]
     for protocol in PROTOCOLS:
         if protocol not in study:
             continue
         p = study[protocol]["parts"]
-        lines += [f"### {protocol} protocol (train {p['train']}, calibration {p['calibration']}, "
-                  f"development {p['dev']} over {p['dev_relations']} relations)", "",
-                  "| encoder | " + " | ".join(HEADLINE) + " |", "|---" * (len(HEADLINE) + 1) + "|"]
+        lines += [
+            f"### {protocol} protocol (train {p['train']}, calibration {p['calibration']}, "
+            f"development {p['dev']} over {p['dev_relations']} relations)",
+            "",
+            "| encoder | " + " | ".join(HEADLINE) + " |",
+            "|---" * (len(HEADLINE) + 1) + "|",
+        ]
         for kind in ("learned", "raw_control"):
             m = study[protocol][kind]
             cells = [f"{m[k]['mean']:.3f} ± {m[k]['std']:.3f}" if k in m else "n/a" for k in HEADLINE]

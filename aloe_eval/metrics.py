@@ -28,7 +28,6 @@ def relative_drift(edited: torch.Tensor, reference: torch.Tensor) -> float:
     return float((edited.double() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
-
 def mean(xs: Iterable[float | None]) -> float | None:
     """Mean of the values that are not None or NaN; None when there are none."""
     v = [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
@@ -44,8 +43,7 @@ def dist(xs: Sequence[float]) -> dict[str, Any] | None:
     def q(p: float) -> float:
         return v[min(len(v) - 1, max(0, int(round(p * (len(v) - 1)))))]
 
-    return {"n": len(v), "mean": sum(v) / len(v), "median": q(0.5), "p10": q(0.1), "p90": q(0.9),
-            "min": v[0], "max": v[-1]}
+    return {"n": len(v), "mean": sum(v) / len(v), "median": q(0.5), "p10": q(0.1), "p90": q(0.9), "min": v[0], "max": v[-1]}
 
 
 def share(xs: Sequence[bool]) -> float | None:

@@ -44,15 +44,21 @@ def plot_editor(editor: Mapping[str, Any], path: str | Path, title: str | None =
     fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 4.2))
     ax = axes[0]
     bins = np.linspace(0, 1, 41)
-    series = [("requests (matched slot)", gates.get("request") or [], "tab:blue"),
-              ("rephrases (matched slot)", gates.get("rephrase") or [], "tab:orange"),
-              ("locality (max over slots)", gates.get("locality_max") or [], "tab:green")]
+    series = [
+        ("requests (matched slot)", gates.get("request") or [], "tab:blue"),
+        ("rephrases (matched slot)", gates.get("rephrase") or [], "tab:orange"),
+        ("locality (max over slots)", gates.get("locality_max") or [], "tab:green"),
+    ]
     present = [(label, vals, color) for label, vals, color in series if vals]
     if present:
-        ax.hist([np.clip(v, 0, 1) for _, v, _ in present], bins=bins, histtype="bar",
-                color=[c for _, _, c in present],
-                weights=[np.full(len(v), 1 / len(v)) for _, v, _ in present],
-                label=[f"{lab}: n={len(v)}, mean={float(np.mean(v)):.3f}" for lab, v, _ in present])
+        ax.hist(
+            [np.clip(v, 0, 1) for _, v, _ in present],
+            bins=bins,
+            histtype="bar",
+            color=[c for _, _, c in present],
+            weights=[np.full(len(v), 1 / len(v)) for _, v, _ in present],
+            label=[f"{lab}: n={len(v)}, mean={float(np.mean(v)):.3f}" for lab, v, _ in present],
+        )
         ax.set_yscale("log")
         smallest = min(1 / len(v) for _, v, _ in present)
         ax.set_ylim(smallest / 2, 1.5)

@@ -163,15 +163,29 @@ def evaluate(
     if layer is None:
         layer = default_layer(model)
     timings: dict[str, float] = {}
-    editors = _editors(model, tokenizer, requests, primary, baseline, layer, grace_config, batch_size, progress,
-                       timings)
+    editors = _editors(model, tokenizer, requests, primary, baseline, layer, grace_config, batch_size, progress, timings)
     names = [e.name for e in editors]
-    context = {"editors": names, "layer": layer, "open_threshold": open_threshold, "grace": repr(grace_config),
-               "operator": primary.op.fingerprint() if isinstance(primary, AloeEditor) else None,
-               "dtype": str(next(model.parameters()).dtype)}
-    results, sequences, chunks = _score_in_chunks(model, tokenizer, requests, editors, context, chunk_edits, parts_dir,
-                                                  batch_size=batch_size, progress=progress,
-                                                  open_threshold=open_threshold, timings=timings)
+    context = {
+        "editors": names,
+        "layer": layer,
+        "open_threshold": open_threshold,
+        "grace": repr(grace_config),
+        "operator": primary.op.fingerprint() if isinstance(primary, AloeEditor) else None,
+        "dtype": str(next(model.parameters()).dtype),
+    }
+    results, sequences, chunks = _score_in_chunks(
+        model,
+        tokenizer,
+        requests,
+        editors,
+        context,
+        chunk_edits,
+        parts_dir,
+        batch_size=batch_size,
+        progress=progress,
+        open_threshold=open_threshold,
+        timings=timings,
+    )
     timings["total_s"] = time.perf_counter() - t_start
     m = _meta(model, layer, len(requests), names, batch_size, open_threshold, timings, sequences)
     if chunks > 1:
@@ -184,9 +198,20 @@ def evaluate(
     return EvalReport(jsonable(m), results, names[0])
 
 
-def _score_in_chunks(model, tokenizer, requests: list, editors: list[Editor], context: dict[str, Any],
-                     chunk_edits: int | None, parts_dir, *, batch_size: int, progress: bool, open_threshold: float,
-                     timings: dict[str, float]) -> tuple[dict[str, EditorResult], int, int]:
+def _score_in_chunks(
+    model,
+    tokenizer,
+    requests: list,
+    editors: list[Editor],
+    context: dict[str, Any],
+    chunk_edits: int | None,
+    parts_dir,
+    *,
+    batch_size: int,
+    progress: bool,
+    open_threshold: float,
+    timings: dict[str, float],
+) -> tuple[dict[str, EditorResult], int, int]:
     """Every editor scored on the stream, ``chunk_edits`` edits at a time, each chunk read back
     from or saved to ``parts_dir``; returns the merged results, the sequences scored in this call
     and the number of chunks."""
@@ -202,21 +227,46 @@ def _score_in_chunks(model, tokenizer, requests: list, editors: list[Editor], co
             if progress and len(bounds) > 1:
                 print(f"evaluation: chunk {k + 1}/{len(bounds)} (edits {lo}-{hi - 1})", file=sys.stderr)
             reg, plans = plan(tokenizer, requests[lo:hi], start=lo)
-            ref = build_reference(model, reg, plans, pad_id=pad, stops=stops, batch_size=batch_size,
-                                  progress=progress, timings=timings)
-            piece = {ed.name: score_editor(model, tokenizer, ed, reg, plans, ref, pad_id=pad, batch_size=batch_size,
-                                           progress=progress, open_threshold=open_threshold) for ed in editors}
+            ref = build_reference(
+                model, reg, plans, pad_id=pad, stops=stops, batch_size=batch_size, progress=progress, timings=timings
+            )
+            piece = {
+                ed.name: score_editor(
+                    model,
+                    tokenizer,
+                    ed,
+                    reg,
+                    plans,
+                    ref,
+                    pad_id=pad,
+                    batch_size=batch_size,
+                    progress=progress,
+                    open_threshold=open_threshold,
+                )
+                for ed in editors
+            }
             sequences += len(reg.seqs)
             if store is not None:
                 store.put(k, key, piece)
         pieces.append(piece)
-    results = {ed.name: merge_results([p[ed.name] for p in pieces], slots=ed.has_slots, open_threshold=open_threshold)
-               for ed in editors}
+    results = {
+        ed.name: merge_results([p[ed.name] for p in pieces], slots=ed.has_slots, open_threshold=open_threshold) for ed in editors
+    }
     return results, sequences, len(bounds)
 
 
-def _editors(model, tokenizer, requests: list, primary: Editor | None, baseline, layer: int, grace_config: Any,
-             batch_size: int, progress: bool, timings: dict[str, float]) -> list[Editor]:
+def _editors(
+    model,
+    tokenizer,
+    requests: list,
+    primary: Editor | None,
+    baseline,
+    layer: int,
+    grace_config: Any,
+    batch_size: int,
+    progress: bool,
+    timings: dict[str, float],
+) -> list[Editor]:
     """The editor under test followed by the baselines (the unedited model when nothing else is asked)."""
     if baseline is None:
         bl: list = []
@@ -234,8 +284,17 @@ def _editors(model, tokenizer, requests: list, primary: Editor | None, baseline,
             from .baselines.grace import GraceConfig, fit_grace
 
             t = time.perf_counter()
-            editors.append(fit_grace(model, tokenizer, requests, layer, grace_config or GraceConfig(),
-                                     batch_size=min(batch_size, 16), progress=progress))
+            editors.append(
+                fit_grace(
+                    model,
+                    tokenizer,
+                    requests,
+                    layer,
+                    grace_config or GraceConfig(),
+                    batch_size=min(batch_size, 16),
+                    progress=progress,
+                )
+            )
             timings["grace_fit_s"] = time.perf_counter() - t
         else:
             raise ValueError(f"unknown baseline {b!r}: expected 'unedited', 'grace' or an Editor")
@@ -247,8 +306,16 @@ def _editors(model, tokenizer, requests: list, primary: Editor | None, baseline,
     return editors
 
 
-def _meta(model, layer: int, n_edits: int, names: list[str], batch_size: int, open_threshold: float,
-          timings: dict[str, float], unique_sequences: int) -> dict[str, Any]:
+def _meta(
+    model,
+    layer: int,
+    n_edits: int,
+    names: list[str],
+    batch_size: int,
+    open_threshold: float,
+    timings: dict[str, float],
+    unique_sequences: int,
+) -> dict[str, Any]:
     """What the report records of the model, the settings, the software and the host."""
     import transformers
 
@@ -268,8 +335,7 @@ def _meta(model, layer: int, n_edits: int, names: list[str], batch_size: int, op
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "device": str(model_device(model)),
         },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
         "host": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
         "timings": timings,
         "unique_sequences": unique_sequences,

@@ -100,8 +100,12 @@ class EvalReport:
         figures; returns the paths."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        paths = {"json": out / REPORT_NAME, "rows": out / ROWS_NAME, "plots": out / PLOTS_NAME,
-                 "markdown": out / "eval_report.md"}
+        paths = {
+            "json": out / REPORT_NAME,
+            "rows": out / ROWS_NAME,
+            "plots": out / PLOTS_NAME,
+            "markdown": out / "eval_report.md",
+        }
         paths["json"].write_text(self.to_json() + "\n")
         paths["rows"].write_bytes(rows_gzip(self.editors))
         paths["plots"].write_text(self.plots_json() + "\n")
@@ -129,8 +133,7 @@ class EvalReport:
                     item = json.loads(line)
                     rows[item["editor"]].append(item["row"])
         plots = read_plots(path.parent, d)
-        eds = {k: EditorResult(v["name"], v["summary"], rows[k], v["info"], plots.get(k, {}))
-               for k, v in d["editors"].items()}
+        eds = {k: EditorResult(v["name"], v["summary"], rows[k], v["info"], plots.get(k, {})) for k, v in d["editors"].items()}
         return cls(d["meta"], eds, d["primary"])
 
 
@@ -162,8 +165,9 @@ def rows_gzip(editors: dict[str, EditorResult]) -> bytes:
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0) as gz:
         for name, e in editors.items():
             for row in e.rows:
-                line = json.dumps({"editor": name, "row": jsonable(row)}, ensure_ascii=False, allow_nan=False,
-                                  separators=(",", ":"))
+                line = json.dumps(
+                    {"editor": name, "row": jsonable(row)}, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+                )
                 gz.write(line.encode("utf-8") + b"\n")
     return buf.getvalue()
 

@@ -33,8 +33,17 @@ def _decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def build_reference(model, reg: Registry, plans: list[EditPlan], *, pad_id: int, stops: set[int], batch_size: int,
-                    progress: bool, timings: dict[str, float]) -> Reference:
+def build_reference(
+    model,
+    reg: Registry,
+    plans: list[EditPlan],
+    *,
+    pad_id: int,
+    stops: set[int],
+    batch_size: int,
+    progress: bool,
+    timings: dict[str, float],
+) -> Reference:
     """The unedited model's greedy continuation of every locality prompt, cut after its first stop
     token (``stops``; a server stops there, so what the model would write after it is never
     seen and is not compared), and its teacher-forced pass."""
@@ -46,24 +55,49 @@ def build_reference(model, reg: Registry, plans: list[EditPlan], *, pad_id: int,
     for lp in items:
         uniq.setdefault((lp.prompt_ids, lp.k), len(uniq))
     keys = list(uniq)
-    gens = greedy_generate(model, [k[0] for k in keys], [k[1] for k in keys], pad_id=pad_id, batch_size=batch_size,
-                           progress=progress, desc="unedited: locality generations")
+    gens = greedy_generate(
+        model,
+        [k[0] for k in keys],
+        [k[1] for k in keys],
+        pad_id=pad_id,
+        batch_size=batch_size,
+        progress=progress,
+        desc="unedited: locality generations",
+    )
     for lp in items:
         g = until_end(gens[uniq[(lp.prompt_ids, lp.k)]], stops)
         lp.gen_seq = reg.add(lp.prompt_ids, tuple(g), hidden=True)
     # 2. the unedited teacher-forced pass over everything locality needs
     need = sorted({lp.gen_seq for lp in items} | {lp.tf_seq for lp in items if lp.tf_seq is not None})
-    res = teacher_forced(model, [reg.seqs[j] for j in need], pad_id=pad_id, batch_size=batch_size,
-                         hidden=[reg.want_hidden[j] for j in need], progress=progress,
-                         desc="unedited: locality reference")
+    res = teacher_forced(
+        model,
+        [reg.seqs[j] for j in need],
+        pad_id=pad_id,
+        batch_size=batch_size,
+        hidden=[reg.want_hidden[j] for j in need],
+        progress=progress,
+        desc="unedited: locality reference",
+    )
     ref.cache.update(zip(need, res))
     timings["reference_s"] = timings.get("reference_s", 0.0) + time.perf_counter() - t0
     return ref
 
 
-def score_editor(model, tokenizer, editor: Editor, reg: Registry, plans: list[EditPlan], ref: Reference, *,
-                 pad_id: int, batch_size: int, progress: bool, open_threshold: float,
-                 heatmap_size: int = 32, pca_points: int = 1024) -> EditorResult:
+def score_editor(
+    model,
+    tokenizer,
+    editor: Editor,
+    reg: Registry,
+    plans: list[EditPlan],
+    ref: Reference,
+    *,
+    pad_id: int,
+    batch_size: int,
+    progress: bool,
+    open_threshold: float,
+    heatmap_size: int = 32,
+    pca_points: int = 1024,
+) -> EditorResult:
     """Patch ``editor`` in, run every pass it needs, remove it, and score the stream."""
     t0 = time.perf_counter()
     scorer = _Scorer(tokenizer, editor, reg, plans, ref, open_threshold, pca_points)
@@ -89,8 +123,16 @@ class _Scorer:
     """The passes of one editor and the per-edit rows built from them, with the statistics
     that the summary collects along the way."""
 
-    def __init__(self, tokenizer, editor: Editor, reg: Registry, plans: list[EditPlan], ref: Reference,
-                 open_threshold: float, pca_points: int):
+    def __init__(
+        self,
+        tokenizer,
+        editor: Editor,
+        reg: Registry,
+        plans: list[EditPlan],
+        ref: Reference,
+        open_threshold: float,
+        pca_points: int,
+    ):
         self.tokenizer, self.editor, self.reg, self.plans, self.ref = tokenizer, editor, reg, plans, ref
         self.open_threshold, self.pca_points = open_threshold, pca_points
         self.unedited = isinstance(editor, UneditedEditor)
@@ -116,17 +158,31 @@ class _Scorer:
         shared = [j for j in todo if j in ref.cache]  # the reference pass's list, in its order
         self.tf = {}
         for part in (shared, [j for j in todo if j not in ref.cache]):
-            res = teacher_forced(model, [reg.seqs[j] for j in part], pad_id=pad_id, batch_size=batch_size,
-                                 editor=self.editor, hidden=[reg.want_hidden[j] for j in part], progress=progress,
-                                 desc=f"{name}: teacher-forced")
+            res = teacher_forced(
+                model,
+                [reg.seqs[j] for j in part],
+                pad_id=pad_id,
+                batch_size=batch_size,
+                editor=self.editor,
+                hidden=[reg.want_hidden[j] for j in part],
+                progress=progress,
+                desc=f"{name}: teacher-forced",
+            )
             self.tf.update(zip(part, res))
         if self.unedited:
             self.tf.update(ref.cache)
         self.timings["teacher_forced_s"] = time.perf_counter() - t
         jobs = self._generation_jobs()
         t = time.perf_counter()
-        gens = greedy_generate(model, [j[0] for j in jobs], [j[1] for j in jobs], pad_id=pad_id,
-                               batch_size=batch_size, progress=progress, desc=f"{name}: generate misses")
+        gens = greedy_generate(
+            model,
+            [j[0] for j in jobs],
+            [j[1] for j in jobs],
+            pad_id=pad_id,
+            batch_size=batch_size,
+            progress=progress,
+            desc=f"{name}: generate misses",
+        )
         self.generated = dict(zip(jobs, gens))
         self.timings["generate_s"] = time.perf_counter() - t
         self.timings["n_generated"] = len(jobs)
@@ -167,8 +223,14 @@ class _Scorer:
         failure = None
         if not hit:
             failure = "unmapped" if slot is None else ("write" if g >= self.open_threshold else "address")
-        return {"gate": g, "top_slot": top_slot, "top_gate": top_gate, "dominates": dom, "failure": failure,
-                "open_slots": int(r.gate_idx.numel()) if r.gate_idx is not None else 0}
+        return {
+            "gate": g,
+            "top_slot": top_slot,
+            "top_gate": top_gate,
+            "dominates": dom,
+            "failure": failure,
+            "open_slots": int(r.gate_idx.numel()) if r.gate_idx is not None else 0,
+        }
 
     def row(self, p: EditPlan) -> dict[str, Any]:
         """The per-edit row: the request, its rephrases, locality and portability prompts."""
@@ -206,8 +268,12 @@ class _Scorer:
     def rephrase_row(self, rp, target: str, slot: int | None) -> dict[str, Any]:
         hit_tf, text = self.gen_text(rp.seq)
         em = hit_tf or exact_match(text, target)
-        rr = {"prompt": rp.prompt, "em": float(em), "generation": text,
-              "tf_acc": token_accuracy(self.tf[rp.seq].preds, self.reg.seqs[rp.seq][1])}
+        rr = {
+            "prompt": rp.prompt,
+            "em": float(em),
+            "generation": text,
+            "tf_acc": token_accuracy(self.tf[rp.seq].preds, self.reg.seqs[rp.seq][1]),
+        }
         if self.slots:
             d = self.slot_diag(rp.seq, slot, em)
             rr.update(d)
@@ -218,7 +284,10 @@ class _Scorer:
         ref_r, ed_r = self.ref.cache[j], self.tf[j]
         stable = ed_r.preds == ref_r.preds
         lr: dict[str, Any] = {
-            "prompt": lp.prompt, "kind": lp.kind, "ground_truth": lp.ground_truth, "k": len(self.reg.seqs[j][1]),
+            "prompt": lp.prompt,
+            "kind": lp.kind,
+            "ground_truth": lp.ground_truth,
+            "k": len(self.reg.seqs[j][1]),
             "stable": float(stable),
             "reference": _decode(self.tokenizer, ref_r.preds),
             "generation": _decode(self.tokenizer, ed_r.preds),
@@ -243,10 +312,15 @@ class _Scorer:
         else:
             g = self.generated[(seq[0], _portability_tokens(pp))]
             text = _decode(self.tokenizer, g)
-            em = any(exact_match(_decode(self.tokenizer, g[: len(a_ids)]), a)
-                     for a, a_ids in zip(pp.answers, pp.answer_ids))
-        pr = {"prompt": pp.prompt, "kind": pp.kind, "answers": list(pp.answers), "em": float(em),
-              "generation": text, "tf_acc": token_accuracy(self.tf[pp.seq].preds, seq[1])}
+            em = any(exact_match(_decode(self.tokenizer, g[: len(a_ids)]), a) for a, a_ids in zip(pp.answers, pp.answer_ids))
+        pr = {
+            "prompt": pp.prompt,
+            "kind": pp.kind,
+            "answers": list(pp.answers),
+            "em": float(em),
+            "generation": text,
+            "tf_acc": token_accuracy(self.tf[pp.seq].preds, seq[1]),
+        }
         if self.slots:
             pr["max_gate"] = self.tf[pp.seq].prompt_max_gate
         return pr

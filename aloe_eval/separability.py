@@ -37,15 +37,15 @@ from aloe_build.mechanism_protocol import auc
 CUTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def share_above_own(scores: torch.Tensor, slots: torch.Tensor, other: torch.Tensor, other_slots: torch.Tensor
-                    ) -> float | None:
+def share_above_own(scores: torch.Tensor, slots: torch.Tensor, other: torch.Tensor, other_slots: torch.Tensor) -> float | None:
     """Over every pair of one slot, the share in which ``scores`` is above ``other`` (None: no pair)."""
     above = (scores[:, None] > other[None, :])[slots[:, None] == other_slots[None, :]]
     return float(above.double().mean()) if above.numel() else None
 
 
-def relative_scores(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor,
-                    states: torch.Tensor) -> torch.Tensor:
+def relative_scores(
+    V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor, states: torch.Tensor
+) -> torch.Tensor:
     """r (N, n) of unit ``states`` at every slot: 0 at the slot's worst negative, 1 at its worst anchor."""
     return _relative(states.to(V.dtype) @ V.T, worst_positive, worst_negative)
 
@@ -54,10 +54,18 @@ def _relative(scores: torch.Tensor, worst_positive: torch.Tensor, worst_negative
     return (scores - worst_negative) / (worst_positive - worst_negative).clamp_min(1e-12)
 
 
-def separability(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: torch.Tensor,
-                 rephrase_states: torch.Tensor, rephrase_slot: torch.Tensor, locality_states: torch.Tensor,
-                 locality_prompt: torch.Tensor, prompts: int, cuts: tuple[float, ...] = CUTS,
-                 chunk: int = 4096) -> dict:
+def separability(
+    V: torch.Tensor,
+    worst_positive: torch.Tensor,
+    worst_negative: torch.Tensor,
+    rephrase_states: torch.Tensor,
+    rephrase_slot: torch.Tensor,
+    locality_states: torch.Tensor,
+    locality_prompt: torch.Tensor,
+    prompts: int,
+    cuts: tuple[float, ...] = CUTS,
+    chunk: int = 4096,
+) -> dict:
     """The rewordings' own r, the locality prompts' max r, their AUC and the cut table.
 
     ``rephrase_slot[k]``: the slot of rewording k; ``locality_prompt[j]``: the prompt (0..prompts-1)
@@ -67,8 +75,8 @@ def separability(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: 
     r_loc = torch.full((prompts,), -torch.inf, dtype=V.dtype)
     where = torch.zeros(prompts, dtype=torch.long)
     for lo in range(0, locality_states.shape[0], chunk):
-        best, slot = relative_scores(V, worst_positive, worst_negative, locality_states[lo: lo + chunk]).max(1)
-        owner = locality_prompt[lo: lo + chunk]
+        best, slot = relative_scores(V, worst_positive, worst_negative, locality_states[lo : lo + chunk]).max(1)
+        owner = locality_prompt[lo : lo + chunk]
         r_new = r_loc.scatter_reduce(0, owner, best, reduce="amax")
         # the slot of each prompt's maximum, kept where this piece raised it
         raised = best >= r_new[owner]
@@ -78,28 +86,48 @@ def separability(V: torch.Tensor, worst_positive: torch.Tensor, worst_negative: 
         "rephrases": int(r_own.numel()),
         "locality_prompts": prompts,
         "auc_rephrase_over_locality": auc(r_own, r_loc) if r_own.numel() else None,
-        "cuts": [{"t": t, "rephrases_at_or_above": float((r_own >= t).double().mean()),
-                  "locality_below": float((r_loc < t).double().mean())} for t in cuts],
+        "cuts": [
+            {
+                "t": t,
+                "rephrases_at_or_above": float((r_own >= t).double().mean()),
+                "locality_below": float((r_loc < t).double().mean()),
+            }
+            for t in cuts
+        ],
         "rephrase_r_quantiles": _quantiles(r_own),
         "locality_max_r_quantiles": _quantiles(r_loc),
         "locality_max_slots_distinct": int(where[r_loc > -torch.inf].unique().numel()),
     }
 
 
-def stage_readings(V: torch.Tensor, request_states: torch.Tensor, rephrase_states: torch.Tensor,
-                   rephrase_slot: torch.Tensor, locality_last: torch.Tensor, locality_slot: torch.Tensor,
-                   locality_states: torch.Tensor, locality_prompt: torch.Tensor, prompts: int) -> dict:
+def stage_readings(
+    V: torch.Tensor,
+    request_states: torch.Tensor,
+    rephrase_states: torch.Tensor,
+    rephrase_slot: torch.Tensor,
+    locality_last: torch.Tensor,
+    locality_slot: torch.Tensor,
+    locality_states: torch.Tensor,
+    locality_prompt: torch.Tensor,
+    prompts: int,
+) -> dict:
     """Threshold-free readings of addresses ``V`` (n, d) on unit states (see ``--stages``)."""
     U = torch.nn.functional.normalize(V.double(), dim=1)
     own = (rephrase_states.double() * U[rephrase_slot]).sum(1)
     at_slot = (locality_last.double() * U[locality_slot]).sum(1)
     best = torch.full((prompts,), -torch.inf, dtype=torch.double).scatter_reduce(
-        0, locality_prompt, (locality_states.double() @ U.T).max(1).values, reduce="amax")
+        0, locality_prompt, (locality_states.double() @ U.T).max(1).values, reduce="amax"
+    )
     # every (rewording, locality prompt) pair of one record, both scored at its slot
-    return {"rewording_over_own_locality_prompt": share_above_own(own, rephrase_slot, at_slot, locality_slot),
-            "auc_rewording_over_locality_best": auc(own, best),
-            "mean_unit_score": {"request": float((request_states.double() * U).sum(1).mean()),
-                                "rewording": float(own.mean()), "own_locality_prompt": float(at_slot.mean())}}
+    return {
+        "rewording_over_own_locality_prompt": share_above_own(own, rephrase_slot, at_slot, locality_slot),
+        "auc_rewording_over_locality_best": auc(own, best),
+        "mean_unit_score": {
+            "request": float((request_states.double() * U).sum(1).mean()),
+            "rewording": float(own.mean()),
+            "own_locality_prompt": float(at_slot.mean()),
+        },
+    }
 
 
 def clears_negatives(V: torch.Tensor, roll: dict[str, torch.Tensor], same_prompt: torch.Tensor) -> dict[str, float]:
@@ -110,11 +138,13 @@ def clears_negatives(V: torch.Tensor, roll: dict[str, torch.Tensor], same_prompt
     V = V.float()
     worst_anchor = min_anchor_scores(V, roll["anchors"].float(), roll["anchor_owner"])
     none = torch.empty(0, V.shape[1]), torch.empty(0, dtype=torch.long)
-    kinds = {"pool": NegativeSet(roll["pool"], torch.full((roll["pool"].shape[0],), -1, dtype=torch.long), *none),
-             "other slots' anchors": NegativeSet(roll["anchors"], roll["anchor_owner"], *none),
-             "continuations": NegativeSet(roll["continuations"], roll["continuation_owner"], *none),
-             "own edit negatives": NegativeSet(*none, roll["specific"], roll["specific_owner"]),
-             "all": negative_set(roll)}
+    kinds = {
+        "pool": NegativeSet(roll["pool"], torch.full((roll["pool"].shape[0],), -1, dtype=torch.long), *none),
+        "other slots' anchors": NegativeSet(roll["anchors"], roll["anchor_owner"], *none),
+        "continuations": NegativeSet(roll["continuations"], roll["continuation_owner"], *none),
+        "own edit negatives": NegativeSet(*none, roll["specific"], roll["specific_owner"]),
+        "all": negative_set(roll),
+    }
     out = {}
     for name, negatives in kinds.items():
         worst = negatives.worst(V, same_prompt)
@@ -139,15 +169,27 @@ def _stages(run: str, model, tok, edits, layer: int, r_states, rephrases, locali
     ck = Path(run) / "checkpoints"
     roll = load_file(str(ck / "3_rollouts.safetensors"))
     requests = last_token_states(model, tok, [e.prompt for e in edits], layer, desc="requests")
-    addresses = {"raw request state": requests, "stage 2 (encoder)": load_file(str(ck / "2_init.safetensors"))["V0"],
-                 "stage 4 (refined)": load_file(str(ck / "4_refine.safetensors"))["V"]}
+    addresses = {
+        "raw request state": requests,
+        "stage 2 (encoder)": load_file(str(ck / "2_init.safetensors"))["V0"],
+        "stage 4 (refined)": load_file(str(ck / "4_refine.safetensors"))["V"],
+    }
     loc_slot = torch.tensor([i for i, e in enumerate(edits) for _ in e.locality], dtype=torch.long)
     loc_last = last_token_states(model, tok, locality, layer, desc="locality prompts, last token")
     same_prompt = same_prompt_matrix(edits)
     out = {}
     for name, V in addresses.items():
-        out[name] = stage_readings(V, requests, r_states, torch.tensor([i for i, _ in rephrases], dtype=torch.long),
-                                   loc_last, loc_slot, l_batch.states, l_batch.owner(), len(locality))
+        out[name] = stage_readings(
+            V,
+            requests,
+            r_states,
+            torch.tensor([i for i, _ in rephrases], dtype=torch.long),
+            loc_last,
+            loc_slot,
+            l_batch.states,
+            l_batch.owner(),
+            len(locality),
+        )
         out[name]["worst_anchor_clears_worst_negative"] = clears_negatives(V, roll, same_prompt)
         print(name, json.dumps(out[name]), flush=True)
     return out
@@ -182,9 +224,16 @@ def main(argv: list[str] | None = None) -> None:
     r_ids = [encode_prompt(tok, p) for _, p in rephrases]
     r_states = collect_states(model, tok, r_ids, op.layer, [[len(s) - 1] for s in r_ids], desc="rewordings").states
     l_batch = collect_states(model, tok, [encode_prompt(tok, p) for p in locality], op.layer, desc="locality prompts")
-    result = separability(op.addresses.float(), cal["worst_positive"].float(), cal["worst_negative"].float(),
-                          r_states, torch.tensor([i for i, _ in rephrases], dtype=torch.long), l_batch.states,
-                          l_batch.owner(), len(locality))
+    result = separability(
+        op.addresses.float(),
+        cal["worst_positive"].float(),
+        cal["worst_negative"].float(),
+        r_states,
+        torch.tensor([i for i, _ in rephrases], dtype=torch.long),
+        l_batch.states,
+        l_batch.owner(),
+        len(locality),
+    )
     if args.stages:
         result["stages"] = _stages(args.operator, model, tok, edits, op.layer, r_states, rephrases, locality, l_batch)
     result = {"operator": args.operator, "edits": args.edits, "limit": args.limit, **result}

@@ -38,8 +38,9 @@ def _complete(d: Path) -> bool:
     return all((d / f).is_file() for f in ("aloe_config.json", "aloe_operator.safetensors", "aloe_build_state.json"))
 
 
-def _operator(model, tokenizer, requests: Sequence, bounds, k: int, out: Path, config: BuildConfig | None,
-              log: Callable[[str], None]) -> AloeOperator:
+def _operator(
+    model, tokenizer, requests: Sequence, bounds, k: int, out: Path, config: BuildConfig | None, log: Callable[[str], None]
+) -> AloeOperator:
     """Step ``k``'s operator: built (k = 0) or appended to step k-1's, or read back when already there."""
     d = out / f"op{k}"
     if _complete(d):
@@ -56,15 +57,29 @@ def _operator(model, tokenizer, requests: Sequence, bounds, k: int, out: Path, c
 def _step(report, bounds: list[tuple[int, int]], k: int, seconds: float | None) -> dict[str, Any]:
     paper = report.summary["paper"]
     first = [r["efficacy"] for r in report.rows[: bounds[0][1]] if r.get("efficacy") is not None]
-    return {"step": k, "edits": bounds[k][1], "efficacy": paper["efficacy"],
-            "generalization": paper["generalization"], "locality": paper["locality"],
-            "first_batch_efficacy": sum(first) / len(first) if first else None,
-            "operator_n": report.meta.get("operator_n"), "eval_seconds": seconds}
+    return {
+        "step": k,
+        "edits": bounds[k][1],
+        "efficacy": paper["efficacy"],
+        "generalization": paper["generalization"],
+        "locality": paper["locality"],
+        "first_batch_efficacy": sum(first) / len(first) if first else None,
+        "operator_n": report.meta.get("operator_n"),
+        "eval_seconds": seconds,
+    }
 
 
-def run_sequential(model, tokenizer, requests: Sequence, batches: int, out_dir: str | Path,
-                   config: BuildConfig | None = None, batch_size: int = 32, progress: bool = True,
-                   log: Callable[[str], None] | None = print) -> dict[str, Any]:
+def run_sequential(
+    model,
+    tokenizer,
+    requests: Sequence,
+    batches: int,
+    out_dir: str | Path,
+    config: BuildConfig | None = None,
+    batch_size: int = 32,
+    progress: bool = True,
+    log: Callable[[str], None] | None = print,
+) -> dict[str, Any]:
     """Run the protocol on ``requests`` in ``batches`` batches; returns (and writes) ``sequential.json``."""
     say = log or (lambda _m: None)
     requests = list(requests)
@@ -82,8 +97,10 @@ def run_sequential(model, tokenizer, requests: Sequence, batches: int, out_dir: 
         step = _step(report, bounds, k, report.meta.get("timings", {}).get("total_s"))
         step_file.write_text(json.dumps(step, indent=1))
         steps.append(step)
-        say(f"step {k + 1}/{len(bounds)}: {step['edits']} edits; "
-            + ", ".join(f"{key} {_fmt(step[key])}" for key in ("efficacy", "generalization", "locality")))
+        say(
+            f"step {k + 1}/{len(bounds)}: {step['edits']} edits; "
+            + ", ".join(f"{key} {_fmt(step[key])}" for key in ("efficacy", "generalization", "locality"))
+        )
     result = {"batches": len(bounds), "edits": len(requests), "steps": steps}
     (out / "sequential.json").write_text(json.dumps(result, indent=1))
     plot_retention(steps, out / "retention.png")
@@ -103,8 +120,12 @@ def plot_retention(steps: Sequence[dict[str, Any]], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     x = [s["edits"] for s in steps]
-    for key, label in (("efficacy", "efficacy (all edits so far)"), ("generalization", "generalization"),
-                       ("locality", "locality"), ("first_batch_efficacy", "efficacy of the first batch")):
+    for key, label in (
+        ("efficacy", "efficacy (all edits so far)"),
+        ("generalization", "generalization"),
+        ("locality", "locality"),
+        ("first_batch_efficacy", "efficacy of the first batch"),
+    ):
         ax.plot(x, [float("nan") if s[key] is None else s[key] for s in steps], marker="o", label=label)
     ax.set_xlabel("edits so far")
     ax.set_ylim(-0.02, 1.02)

@@ -62,8 +62,11 @@ class StreamReport:
 
 def _corpus_keys(corpus: Sequence[EditRequest]) -> tuple[set[str], set[tuple], set[tuple]]:
     """The corpus's case ids, (subject, prompt) pairs and (prompt, target, subject) records."""
-    return ({str(r.id) for r in corpus if r.id is not None}, {(r.subject, r.prompt) for r in corpus},
-            {(r.prompt, r.target_new, r.subject) for r in corpus})
+    return (
+        {str(r.id) for r in corpus if r.id is not None},
+        {(r.subject, r.prompt) for r in corpus},
+        {(r.prompt, r.target_new, r.subject) for r in corpus},
+    )
 
 
 def _overlaps(stream: Sequence[EditRequest], keys: tuple[set[str], set[tuple], set[tuple]]) -> dict[str, int]:
@@ -78,8 +81,9 @@ def _overlaps(stream: Sequence[EditRequest], keys: tuple[set[str], set[tuple], s
     }
 
 
-def disjoint_stream(sources: Sequence[tuple[str, Sequence[EditRequest]]], corpus: Sequence[EditRequest]
-                    ) -> tuple[list[EditRequest], StreamReport]:
+def disjoint_stream(
+    sources: Sequence[tuple[str, Sequence[EditRequest]]], corpus: Sequence[EditRequest]
+) -> tuple[list[EditRequest], StreamReport]:
     """The records of ``sources`` (name, records), in order, without any that the corpus holds (same
     case id, same (subject, prompt) pair, or the same record) and without repeats of an earlier
     prompt or id; the report counts each reason and re-checks the result against the corpus."""
@@ -121,16 +125,20 @@ def counterfact_stream(data: str | Path, corpus: str | Path | None = None) -> tu
     """CounterFact val then train (``counterfact-val.json``, ``counterfact-train.json`` in ``data``),
     disjoint from the construction corpus (default: the bundled one)."""
     data = Path(data)
-    sources = [("counterfact-val", load_edits(data / "counterfact-val.json")),
-               ("counterfact-train", load_edits(data / "counterfact-train.json"))]
+    sources = [
+        ("counterfact-val", load_edits(data / "counterfact-val.json")),
+        ("counterfact-train", load_edits(data / "counterfact-train.json")),
+    ]
     return disjoint_stream(sources, load_edits(corpus or default_corpus_path()))
 
 
 def in_context_edits(edits: Sequence[EditRequest], per_edit: int = IN_CONTEXT_PER_EDIT) -> list[EditRequest]:
     """Each edit with its rephrases replaced by ``per_edit`` in-context forms of its request (the
     prefixes taken in turn over the stream) and no portability prompts; locality is kept."""
-    return [dataclasses.replace(e, rephrases=in_context(e.prompt, per_edit, per_edit * i), portability=())
-            for i, e in enumerate(edits)]
+    return [
+        dataclasses.replace(e, rephrases=in_context(e.prompt, per_edit, per_edit * i), portability=())
+        for i, e in enumerate(edits)
+    ]
 
 
 def rephrase_locality_edits(records: Sequence[EditRequest], limit: int) -> list[EditRequest]:
@@ -139,12 +147,12 @@ def rephrase_locality_edits(records: Sequence[EditRequest], limit: int) -> list[
     the same count or one less) and no portability prompts."""
     edits, rest = records[:limit], records[limit:]
     subjects = {e.subject for e in edits}
-    prompts = [LocalityPrompt(p, r.ground_truth, REPHRASE_LOCALITY_KIND)
-               for r in rest if r.subject not in subjects for p in r.rephrases]
+    prompts = [
+        LocalityPrompt(p, r.ground_truth, REPHRASE_LOCALITY_KIND) for r in rest if r.subject not in subjects for p in r.rephrases
+    ]
     if not prompts:
         raise ValueError(f"no rephrases of unedited subjects after record {limit}")
-    return [dataclasses.replace(e, locality=tuple(prompts[i::len(edits)]), portability=())
-            for i, e in enumerate(edits)]
+    return [dataclasses.replace(e, locality=tuple(prompts[i :: len(edits)]), portability=()) for i, e in enumerate(edits)]
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -154,8 +162,10 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--data", required=True, help="directory with counterfact-val.json and counterfact-train.json")
     p.add_argument("--corpus", default=None, help="construction corpus (default: the bundled one)")
     p.add_argument("--out", required=True, help="JSONL file to write; the report goes to <out>.report.json")
-    for name, text in (("in-context", "each request after unrelated text as the rephrases"),
-                       ("rephrase-locality", "rewordings of later, unedited subjects as the locality prompts")):
+    for name, text in (
+        ("in-context", "each request after unrelated text as the rephrases"),
+        ("rephrase-locality", "rewordings of later, unedited subjects as the locality prompts"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("edits", help="any edit file aloe_build.load_edits reads")
         p.add_argument("--out", required=True, help="JSONL file to write (our own format)")
@@ -163,8 +173,9 @@ def main(argv: list[str] | None = None) -> Path:
         if name == "in-context":
             p.add_argument("--limit", type=int, default=None, help="first N records only")
         else:
-            p.add_argument("--limit", type=int, required=True,
-                           help="the first N records are the edits; the rest give the prompts")
+            p.add_argument(
+                "--limit", type=int, required=True, help="the first N records are the edits; the rest give the prompts"
+            )
     args = ap.parse_args(argv)
     if args.stream == "counterfact":
         stream, report = counterfact_stream(args.data, args.corpus)

@@ -32,9 +32,16 @@ def row_statistics(rows: list[dict], slots: bool) -> dict[str, Any]:
     the unique locality prompts (same prompt, same number of tokens) their max gate, drift and
     next-token agreement. Rows of separately scored chunks of a stream give the same numbers as
     the rows of one pass."""
-    st: dict[str, Any] = {"req_gates": [], "dominates": [], "reph_gates": [], "reph_dominates": [], "loc_max": [],
-                          "drifts": [], "agree": [],
-                          "fail": {"efficacy": defaultdict(int), "generalization": defaultdict(int)}}
+    st: dict[str, Any] = {
+        "req_gates": [],
+        "dominates": [],
+        "reph_gates": [],
+        "reph_dominates": [],
+        "loc_max": [],
+        "drifts": [],
+        "agree": [],
+        "fail": {"efficacy": defaultdict(int), "generalization": defaultdict(int)},
+    }
     seen: set[tuple[str, int]] = set()
     for r in rows:
         if slots:

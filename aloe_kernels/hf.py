@@ -25,7 +25,10 @@ from .screened_int8 import Int8Screen, int8_screen_supported, int8_screened_resi
 
 # Where decoder layers live, and where the down-projection sits inside one layer.
 _LAYER_LISTS = (
-    "model.layers", "model.language_model.layers", "language_model.model.layers", "transformer.h",
+    "model.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+    "transformer.h",
     "model.decoder.layers",
 )
 _DOWN_PROJ_NAMES = ("mlp.down_proj", "mlp.c_proj")
@@ -80,9 +83,7 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
         layers = _get(model, path)
         if isinstance(layers, nn.ModuleList):
             return path, layers
-    raise PatchError(
-        f"{type(model).__name__}: no decoder layer list found (looked for {', '.join(_LAYER_LISTS)})"
-    )
+    raise PatchError(f"{type(model).__name__}: no decoder layer list found (looked for {', '.join(_LAYER_LISTS)})")
 
 
 def locate_down_proj(model: nn.Module, layer: int) -> DownProjSite:
@@ -96,9 +97,7 @@ def locate_down_proj(model: nn.Module, layer: int) -> DownProjSite:
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise PatchError(f"layer must be an int, got {layer!r}")
     if not 0 <= layer < len(layers):
-        raise PatchError(
-            f"layer {layer} is out of range: the model has {len(layers)} decoder layers (0..{len(layers) - 1})"
-        )
+        raise PatchError(f"layer {layer} is out of range: the model has {len(layers)} decoder layers (0..{len(layers) - 1})")
     block = layers[layer]
     for name in _DOWN_PROJ_NAMES:
         module = _get(block, name)
@@ -106,8 +105,7 @@ def locate_down_proj(model: nn.Module, layer: int) -> DownProjSite:
             parent_name, attr = name.rsplit(".", 1)
             return DownProjSite(f"{path}.{layer}.{name}", _get(block, parent_name), attr, module, len(layers))
     raise PatchError(
-        f"{type(model).__name__}: decoder layer {layer} has no MLP down-projection "
-        f"(looked for {', '.join(_DOWN_PROJ_NAMES)})"
+        f"{type(model).__name__}: decoder layer {layer} has no MLP down-projection (looked for {', '.join(_DOWN_PROJ_NAMES)})"
     )
 
 
@@ -142,11 +140,13 @@ class AloeDownProj(nn.Module):
     def _refresh_runtime_op(self) -> None:
         # The unvalidated operator of the hot path (the tensors were validated at patch time), made when
         # the buffers change rather than in forward: torch.compile(fullgraph=True) cannot trace making it.
-        self._runtime_op = AloeOperator.unchecked(*(getattr(self, k) for k in _TENSORS),
-                                                  eps=self._op_header["eps"], gate_eps=self._op_header["gate_eps"])
+        self._runtime_op = AloeOperator.unchecked(
+            *(getattr(self, k) for k in _TENSORS), eps=self._op_header["eps"], gate_eps=self._op_header["gate_eps"]
+        )
         op = self._runtime_op
-        self._int8_screen = Int8Screen.prepare(op.addresses, op.thresholds, op.temperatures, op.gate_eps) \
-            if self._screens(op) else None
+        self._int8_screen = (
+            Int8Screen.prepare(op.addresses, op.thresholds, op.temperatures, op.gate_eps) if self._screens(op) else None
+        )
 
     def _screens(self, op: AloeOperator) -> bool:
         if self.screen is False or op.addresses.device.type != "cpu" or op.addresses.dtype != torch.float32:
@@ -169,10 +169,10 @@ class AloeDownProj(nn.Module):
         if torch.is_grad_enabled() and (h.requires_grad or any(getattr(self, k).requires_grad for k in _TENSORS)):
             return y + aloe_reference(h, op).to(y.dtype)
         if self._int8_screen is not None and not use_fused_kernel(h):
-            return int8_screened_residual_(y, h, self._int8_screen, op.addresses, op.thresholds, op.temperatures,
-                                           op.writes, op.eps, op.gate_eps)
+            return int8_screened_residual_(
+                y, h, self._int8_screen, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps
+            )
         return aloe_residual_(y, h, op, deterministic=self.deterministic)
-
 
 
 def find_aloe_modules(model: nn.Module) -> list[tuple[str, AloeDownProj]]:
@@ -216,9 +216,7 @@ def apply_aloe(
     if op.layer is not None and layer != op.layer:
         raise PatchError(f"the operator was built for layer {op.layer}, not layer {layer}")
     if (site.d, site.d_out) != (op.d, op.d_out):
-        raise PatchError(
-            f"{site.path} maps d={site.d} to d_out={site.d_out}, but the operator has d={op.d}, d_out={op.d_out}"
-        )
+        raise PatchError(f"{site.path} maps d={site.d} to d_out={site.d_out}, but the operator has d={op.d}, d_out={op.d_out}")
     if check_fingerprint and op.weight_fingerprint:
         found = weight_fingerprint(site.weight())
         if found != op.weight_fingerprint:

@@ -90,8 +90,15 @@ class AloeOperator:
         self.validate()
 
     @classmethod
-    def unchecked(cls, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-                  writes: torch.Tensor, eps: float, gate_eps: float) -> "AloeOperator":
+    def unchecked(
+        cls,
+        addresses: torch.Tensor,
+        thresholds: torch.Tensor,
+        temperatures: torch.Tensor,
+        writes: torch.Tensor,
+        eps: float,
+        gate_eps: float,
+    ) -> "AloeOperator":
         """An operator over existing tensors, without validating or copying them.
 
         For hot paths (one call per forward) whose tensors were checked when
@@ -100,9 +107,17 @@ class AloeOperator:
         """
         op = object.__new__(cls)
         op.__dict__.update(
-            addresses=addresses, thresholds=thresholds, temperatures=temperatures, writes=writes,
-            eps=float(eps), gate_eps=float(gate_eps), edits=None, layer=None, module_path=None,
-            base_model=None, weight_fingerprint=None,
+            addresses=addresses,
+            thresholds=thresholds,
+            temperatures=temperatures,
+            writes=writes,
+            eps=float(eps),
+            gate_eps=float(gate_eps),
+            edits=None,
+            layer=None,
+            module_path=None,
+            base_model=None,
+            weight_fingerprint=None,
         )
         return op
 
@@ -256,10 +271,7 @@ class AloeOperator:
                     raise ArtifactError(f"merge: operator {j} has {key}={value!r}, expected {header[key]!r}")
                 if header[key] is None:
                     header[key] = value
-        kw = {
-            k: torch.cat([getattr(op, k).to(first.device, first.dtype) for op in operators], 0)
-            for k in _TENSOR_FIELDS
-        }
+        kw = {k: torch.cat([getattr(op, k).to(first.device, first.dtype) for op in operators], 0) for k in _TENSOR_FIELDS}
         edits = [copy.deepcopy(e) for op in operators for e in op.edits]
         return AloeOperator(**kw, edits=edits, **header)
 
@@ -327,17 +339,14 @@ class AloeOperator:
                 raise ArtifactError(f"{t_path}: field '{name}': tensor missing")
         want_dtype = SUPPORTED_DTYPES.get(config["dtype"])
         if want_dtype is None:
-            raise ArtifactError(
-                f"{cfg_path}: field 'dtype': expected one of {sorted(SUPPORTED_DTYPES)}, got {config['dtype']!r}"
-            )
+            raise ArtifactError(f"{cfg_path}: field 'dtype': expected one of {sorted(SUPPORTED_DTYPES)}, got {config['dtype']!r}")
         n, d, d_out = config["n"], config["d"], config["d_out"]
         expected_shapes = {"addresses": (n, d), "thresholds": (n,), "temperatures": (n,), "writes": (n, d_out)}
         for name, shape in expected_shapes.items():
             t = tensors[name]
             if tuple(t.shape) != tuple(shape):
                 raise ArtifactError(
-                    f"{t_path}: field '{name}': expected shape {tuple(shape)} (from {CONFIG_NAME}), "
-                    f"got {tuple(t.shape)}"
+                    f"{t_path}: field '{name}': expected shape {tuple(shape)} (from {CONFIG_NAME}), got {tuple(t.shape)}"
                 )
             if t.dtype != want_dtype:
                 raise ArtifactError(f"{t_path}: field '{name}': expected dtype {config['dtype']}, got {t.dtype}")

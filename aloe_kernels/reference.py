@@ -31,8 +31,9 @@ def _check_input(h: torch.Tensor, op: AloeOperator) -> None:
         raise TypeError(f"h must be a floating tensor, got {h.dtype}")
 
 
-def gates_from_scores(scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-                      gate_eps: float) -> torch.Tensor:
+def gates_from_scores(
+    scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float
+) -> torch.Tensor:
     """Dead-zone sigmoid gate of already normalized scores (..., n)."""
     z = temperatures * (scores - thresholds)
     return torch.clamp_min(torch.sigmoid(z) - gate_eps, 0.0) / (1.0 - gate_eps)

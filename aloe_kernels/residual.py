@@ -59,16 +59,16 @@ def sparse_residual_(y: torch.Tensor, h: torch.Tensor, op: AloeOperator) -> torc
         gates = _open_gates_(scores, thresholds, temperatures, op.gate_eps)
         writes = _as(op.writes, ct)
     else:
-        gates = _open_gates_(scores.index_select(0, idx), thresholds.index_select(0, idx),
-                             temperatures.index_select(0, idx), op.gate_eps)
+        gates = _open_gates_(
+            scores.index_select(0, idx), thresholds.index_select(0, idx), temperatures.index_select(0, idx), op.gate_eps
+        )
         writes = _as(op.writes.index_select(0, idx), ct)
     # The 1 / (1 - gate_eps) factor of the gate is applied by the GEMM (alpha).
     _add_product_(y, gates.T, writes, op.d_out, 1.0 / (1.0 - op.gate_eps))
     return y
 
 
-def _open_gates_(scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-                 gate_eps: float) -> torch.Tensor:
+def _open_gates_(scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float) -> torch.Tensor:
     """In place on edit-major (k, T) scores: ``max(sigmoid(alpha (s - tau)) - gate_eps, 0)``.
 
     That is the gate times ``1 - gate_eps``; five in-place passes over the scores.
@@ -104,8 +104,7 @@ def aloe_residual_(y: torch.Tensor, h: torch.Tensor, op: AloeOperator, determini
     _check_input(h, op)
     if y.shape[:-1] != h.shape[:-1] or y.shape[-1] != op.d_out:
         raise ValueError(
-            f"y has shape {tuple(y.shape)}, expected {tuple(h.shape[:-1]) + (op.d_out,)} "
-            f"for h of shape {tuple(h.shape)}"
+            f"y has shape {tuple(y.shape)}, expected {tuple(h.shape[:-1]) + (op.d_out,)} for h of shape {tuple(h.shape)}"
         )
     if op.device != h.device:
         raise ValueError(f"operator is on {op.device} but h is on {h.device}; call op.to(h.device) once")
@@ -113,6 +112,7 @@ def aloe_residual_(y: torch.Tensor, h: torch.Tensor, op: AloeOperator, determini
     if use_fused_kernel(h) and kernel_dtypes(y, h, op.addresses, op.writes):
         from .ops.aloe_gate import aloe_gate_residual_
 
-        return aloe_gate_residual_(y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps,
-                                   op.gate_eps, deterministic)
+        return aloe_gate_residual_(
+            y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps, deterministic
+        )
     return sparse_residual_(y, h, op)

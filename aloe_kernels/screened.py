@@ -33,8 +33,7 @@ SCREEN_MARGIN = 0.0125
 SCREEN_MIN_EDITS = 256
 
 
-def screen_limit(addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-                 gate_eps: float) -> torch.Tensor:
+def screen_limit(addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float) -> torch.Tensor:
     """Per-edit bf16 limit of the screen: the open floor minus :data:`SCREEN_MARGIN` scaled by the
     larger of 1, the address's norm and the floor's magnitude."""
     floor = open_score_floor(thresholds.float(), temperatures.float(), gate_eps)
@@ -44,9 +43,17 @@ def screen_limit(addresses: torch.Tensor, thresholds: torch.Tensor, temperatures
 
 
 def screened_residual_(
-    y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, limit_lo: torch.Tensor,
-    addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
-    eps: float, gate_eps: float, screen_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    addresses_lo: torch.Tensor,
+    limit_lo: torch.Tensor,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+    screen_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``y += U g(h)`` (in place): bf16 screen over all edits, exact fp32 gates for the few that may open.
 
@@ -64,20 +71,35 @@ def screened_residual_(
     hn = normalize_rows(h2, eps)
     raw = screen_gemm(hn.to(torch.bfloat16)) if screen_gemm is not None else hn.to(torch.bfloat16) @ addresses_lo.T
     best = raw.amax(dim=0)  # (n,): one pass over the bf16 scores
-    return rescore_kept_(y, h2, (best > limit_lo).nonzero().squeeze(1), addresses, thresholds, temperatures,
-                         writes, eps, gate_eps)
+    return rescore_kept_(
+        y, h2, (best > limit_lo).nonzero().squeeze(1), addresses, thresholds, temperatures, writes, eps, gate_eps
+    )
 
 
-def rescore_kept_(y: torch.Tensor, h: torch.Tensor, kept: torch.Tensor, addresses: torch.Tensor,
-                  thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor, eps: float,
-                  gate_eps: float) -> torch.Tensor:
+def rescore_kept_(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    kept: torch.Tensor,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+) -> torch.Tensor:
     """``y += U g(h)`` (in place) over the edits ``kept`` by a screen, through the fp32 sparse path
     (:func:`aloe_kernels.residual.sparse_residual_`) on those rows; the screen guarantees that every
     other edit's gate is 0 for every row of ``h`` (T, d)."""
     if kept.numel() == 0:
         return y
-    rows = AloeOperator.unchecked(addresses.index_select(0, kept), thresholds.index_select(0, kept),
-                                  temperatures.index_select(0, kept), writes.index_select(0, kept), eps, gate_eps)
+    rows = AloeOperator.unchecked(
+        addresses.index_select(0, kept),
+        thresholds.index_select(0, kept),
+        temperatures.index_select(0, kept),
+        writes.index_select(0, kept),
+        eps,
+        gate_eps,
+    )
     return sparse_residual_(y, h, rows)
 
 

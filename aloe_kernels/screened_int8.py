@@ -34,8 +34,14 @@ from .reference import normalize_rows, open_score_floor
 from .residual import sparse_residual_
 from .screened import rescore_kept_
 
-__all__ = ["ADDRESS_LEVELS", "INT8_SCREEN_MAX_TOKENS", "STATE_LEVELS", "Int8Screen", "int8_screen_supported",
-           "int8_screened_residual_"]
+__all__ = [
+    "ADDRESS_LEVELS",
+    "INT8_SCREEN_MAX_TOKENS",
+    "STATE_LEVELS",
+    "Int8Screen",
+    "int8_screen_supported",
+    "int8_screened_residual_",
+]
 
 #: Address levels either side of 0: 7 bits, so that u8 x s8 pair sums fit AVX2's 16 bits (2*255*63 < 2^15).
 ADDRESS_LEVELS = 63
@@ -71,8 +77,9 @@ class Int8Screen:
         return int(self.floor.shape[0])
 
     @classmethod
-    def prepare(cls, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-                gate_eps: float) -> "Int8Screen":
+    def prepare(
+        cls, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float
+    ) -> "Int8Screen":
         """Quantise ``addresses`` (n, d) per row and pack them (a few hundred ms for 10,000 x 1,536)."""
         if not int8_screen_supported():
             raise RuntimeError("this PyTorch has no int8 dynamic linear on CPU (fbgemm); use the fp32 path")
@@ -82,13 +89,18 @@ class Int8Screen:
         q = torch.round(a / step[:, None]).clamp_(-ADDRESS_LEVELS, ADDRESS_LEVELS)
         with warnings.catch_warnings():  # PyTorch marks quantized tensors as deprecated; the op is what we use
             warnings.simplefilter("ignore")
-            weight = torch._make_per_channel_quantized_tensor(q.to(torch.int8), step.double(),
-                                                              torch.zeros(n, dtype=torch.long), 0)
+            weight = torch._make_per_channel_quantized_tensor(
+                q.to(torch.int8), step.double(), torch.zeros(n, dtype=torch.long), 0
+            )
             packed = torch.ops.quantized.linear_prepack(weight, None)
         dq = q * step[:, None]
-        return cls(packed=packed, offset=dq.sum(dim=1), l1=dq.abs().sum(dim=1), half_step=step / 2,
-                   floor=open_score_floor(thresholds.detach().float().cpu(), temperatures.detach().float().cpu(),
-                                          gate_eps))
+        return cls(
+            packed=packed,
+            offset=dq.sum(dim=1),
+            l1=dq.abs().sum(dim=1),
+            half_step=step / 2,
+            floor=open_score_floor(thresholds.detach().float().cpu(), temperatures.detach().float().cpu(), gate_eps),
+        )
 
     def bounds(self, hn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Screen scores and their error bounds, both (T, n), of the unit or zero rows ``hn`` (T, d):
@@ -98,8 +110,10 @@ class Int8Screen:
         x = torch.round((hn - lo) / span.clamp_min(torch.finfo(torch.float32).tiny) * STATE_LEVELS) / STATE_LEVELS
         product = torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, False)  # (T, n) = x_q . v_q
         score = lo * self.offset + span * product
-        slack = self.half_step * hn.abs().sum(dim=1, keepdim=True) \
+        slack = (
+            self.half_step * hn.abs().sum(dim=1, keepdim=True)
             + (span * (0.5 / STATE_LEVELS) + FLOAT_MARGIN * (lo.abs() + span)) * self.l1
+        )
         return score, slack
 
     def kept(self, hn: torch.Tensor) -> torch.Tensor:
@@ -108,9 +122,17 @@ class Int8Screen:
         return ((score + slack).amax(dim=0) >= self.floor).nonzero().squeeze(1)
 
 
-def int8_screened_residual_(y: torch.Tensor, h: torch.Tensor, screen: Int8Screen, addresses: torch.Tensor,
-                            thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor,
-                            eps: float, gate_eps: float) -> torch.Tensor:
+def int8_screened_residual_(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    screen: Int8Screen,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+) -> torch.Tensor:
     """``y += U g(h)`` (in place): the int8 screen over all edits, exact fp32 gates for those it keeps.
 
     ``screen`` must have been prepared from these ``addresses`` and gate parameters; the result
@@ -123,7 +145,6 @@ def int8_screened_residual_(y: torch.Tensor, h: torch.Tensor, screen: Int8Screen
     if screen.n != addresses.shape[0]:
         raise ValueError(f"the screen holds {screen.n} edits, the operator {addresses.shape[0]}")
     if h2.shape[0] > INT8_SCREEN_MAX_TOKENS:  # a prefill's union of kept edits is most of them
-        return sparse_residual_(y, h2, AloeOperator.unchecked(addresses, thresholds, temperatures, writes, eps,
-                                                              gate_eps))
+        return sparse_residual_(y, h2, AloeOperator.unchecked(addresses, thresholds, temperatures, writes, eps, gate_eps))
     kept = screen.kept(normalize_rows(h2, eps))
     return rescore_kept_(y, h2, kept, addresses, thresholds, temperatures, writes, eps, gate_eps)

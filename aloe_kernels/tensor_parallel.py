@@ -44,8 +44,14 @@ def partial_scores_torch(h: torch.Tensor, addresses: torch.Tensor) -> torch.Tens
 
 
 def apply_from_scores_torch_(
-    y: torch.Tensor, scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-    writes: torch.Tensor, eps: float, gate_eps: float, edit_offset: int = 0,
+    y: torch.Tensor,
+    scores: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+    edit_offset: int = 0,
 ) -> torch.Tensor:
     """Phase B in PyTorch: gate this rank's share and add its writes into ``y`` (in place)."""
     n_share, d_out = writes.shape
@@ -53,7 +59,7 @@ def apply_from_scores_torch_(
         return y
     ct = scores.dtype
     inv_norm = 1.0 / scores[:, -1:].clamp_min(0).sqrt().clamp_min(eps)
-    s = scores[:, edit_offset:edit_offset + n_share] * inv_norm
+    s = scores[:, edit_offset : edit_offset + n_share] * inv_norm
     thr, temp = thresholds.to(ct), temperatures.to(ct)
     open_any = (s > open_score_floor(thr, temp, gate_eps)).any(dim=0)
     idx = open_any.nonzero().squeeze(1)
@@ -89,8 +95,14 @@ def partial_scores(h: torch.Tensor, addresses: torch.Tensor) -> torch.Tensor:
 
 
 def apply_from_scores_(
-    y: torch.Tensor, scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-    writes: torch.Tensor, eps: float, gate_eps: float, edit_offset: int = 0,
+    y: torch.Tensor,
+    scores: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+    edit_offset: int = 0,
 ) -> torch.Tensor:
     """Phase B on the all-reduced scores: add this rank's share of ``U g`` into ``y`` (in place)."""
     if _use_kernel(y, writes):

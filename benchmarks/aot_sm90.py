@@ -32,10 +32,21 @@ FLOATS = ("eps", "gate_eps", "inv_one_minus_geps")
 # pointers / multiples of 16 get tt.divisibility=16. Without these the inner loads are not
 # vectorised (2-byte accesses), cp.async cannot be used, no loop is software-pipelined and the
 # register counts are those of a kernel that never runs.
-UNIT_STRIDES = ("stride_hd", "stride_ad", "stride_wo", "stride_oo", "stride_thr", "stride_temp", "stride_on",
-                "stride_yo")
-DIV16 = ("d", "d_out", "edits_per_split", "d_per_split", "o_per_split", "stride_ht", "stride_an", "stride_wn", "stride_ot",
-         "stride_ws", "stride_wt", "stride_yt")
+UNIT_STRIDES = ("stride_hd", "stride_ad", "stride_wo", "stride_oo", "stride_thr", "stride_temp", "stride_on", "stride_yo")
+DIV16 = (
+    "d",
+    "d_out",
+    "edits_per_split",
+    "d_per_split",
+    "o_per_split",
+    "stride_ht",
+    "stride_an",
+    "stride_wn",
+    "stride_ot",
+    "stride_ws",
+    "stride_wt",
+    "stride_yt",
+)
 # (mode, y dtype, input dtype, FROM_SCORES, SCALED_NORM, O_SLICED, name) of the gate variants compiled. 16-bit
 # inputs get the autotuning space and the fixed tiles; fp32 inputs only ever launch the fixed fp32
 # tiles (``_wide_tiles`` in aloe_gate.py).
@@ -74,8 +85,11 @@ def _specialise(fn, consts: dict) -> tuple:
     from_scores = consts.get("FROM_SCORES", False)
     consts = {**consts, **{a: 1 for a in UNIT_STRIDES if a in fn.arg_names}}
     # The split-K scores buffer (k, T, n + 2) has rows of n + 2 values: no divisibility to rely on.
-    div = [a for a in fn.arg_names if a not in consts and (a.endswith("_ptr") or a in DIV16)
-           and not (from_scores and a in ("stride_ht", "stride_an"))]
+    div = [
+        a
+        for a in fn.arg_names
+        if a not in consts and (a.endswith("_ptr") or a in DIV16) and not (from_scores and a in ("stride_ht", "stride_an"))
+    ]
     return consts, {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div}
 
 
@@ -84,8 +98,12 @@ def _ptxas_stats(ptx: str, ptxas: str) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
-                             capture_output=True, text=True, check=True)
+        res = subprocess.run(
+            [ptxas, "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     text = res.stderr + res.stdout
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
@@ -116,13 +134,28 @@ def _gate_rows() -> list:
         cfgs = prune_gate_configs(gate_configs(), {"t_bucket": 128}, FROM_SCORES=from_scores, O_SLICED=sliced)
         tuned = [(c.kwargs, c.num_warps, c.num_stages, "autotune") for c in cfgs]
         src = "fp32" if from_scores else dt
-        ptrs = {"h_ptr": f"*{src}", "a_ptr": f"*{src if from_scores else dt}", "thr_ptr": "*fp32",
-                "temp_ptr": "*fp32", "w_ptr": f"*{dt}", "out_ptr": f"*{ydt}", "flag_ptr": "*i32"}
+        ptrs = {
+            "h_ptr": f"*{src}",
+            "a_ptr": f"*{src if from_scores else dt}",
+            "thr_ptr": "*fp32",
+            "temp_ptr": "*fp32",
+            "w_ptr": f"*{dt}",
+            "out_ptr": f"*{ydt}",
+            "flag_ptr": "*i32",
+        }
         # d_out slices are automatic only up to 32 tokens (launch_plan._O_SLICED_MAX_T): decode tiles
         fixed = [f for f in _fixed(dt == "fp32") if not sliced or f[0]["BLOCK_T"] <= 32]
         for meta, warps, stages, kind in fixed + (tuned if dt == "bf16" else []):
-            consts = {"MODE": mode, "FROM_SCORES": from_scores, "SCALED_NORM": scaled, "CAST_SCORES": False,
-                      "CAST_WRITES": dt == "fp32", "DOT_PREC": "ieee", "O_SLICED": sliced, **meta}
+            consts = {
+                "MODE": mode,
+                "FROM_SCORES": from_scores,
+                "SCALED_NORM": scaled,
+                "CAST_SCORES": False,
+                "CAST_WRITES": dt == "fp32",
+                "DOT_PREC": "ieee",
+                "O_SLICED": sliced,
+                **meta,
+            }
             rows.append(("gate", f"{name} ({kind})", dt, ptrs, consts, warps, stages))
     return rows
 
@@ -132,8 +165,17 @@ def _other_rows() -> list:
 
     rows = []
     for T, s, d_out in ((1, 82, 4096), (16, 64, 4096), (2048, 2, 4096)):
-        rows.append(("reduce", f"T={T} S={s}", "bf16", {"ws_ptr": "*fp32", "flag_ptr": "*i32", "y_ptr": "*bf16"},
-                     reduce_blocks(T, s, d_out), 4, 1))
+        rows.append(
+            (
+                "reduce",
+                f"T={T} S={s}",
+                "bf16",
+                {"ws_ptr": "*fp32", "flag_ptr": "*i32", "y_ptr": "*bf16"},
+                reduce_blocks(T, s, d_out),
+                4,
+                1,
+            )
+        )
     tuned = [(c.kwargs, c.num_warps, c.num_stages, "autotune") for c in scores_configs()]
     for dt in ("bf16", "fp32"):
         ptrs = {"h_ptr": f"*{dt}", "a_ptr": f"*{dt}", "out_ptr": "*fp32"}
@@ -226,7 +268,7 @@ def _write(path: Path, version: str, lines: list, seconds: float) -> None:
     head = [
         "# Fused gate kernels compiled ahead of time for sm_90 (H100)",
         "",
-        f"Triton {version}, target `GPUTarget(\"cuda\", 90, 32)`, no GPU needed ({len(lines)} configurations, "
+        f'Triton {version}, target `GPUTarget("cuda", 90, 32)`, no GPU needed ({len(lines)} configurations, '
         f"{seconds:.0f} s). Command, from the repository root with Triton {version} installed (the "
         "interpreter must be off):",
         "",

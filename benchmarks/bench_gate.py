@@ -67,11 +67,20 @@ CPU_ACTIVE = ["0", "1", "10%", "all"]
 QUICK_T = [1, 16]
 QUICK_N = [10000]
 QUICK_ACTIVE = ["0", "1", "all"]
-PROVIDERS = ["aloe_triton", "aloe_triton_det", "reference", "reference_compiled", "dense_lowrank", "cublas_scores",
-             "sparse"]
+PROVIDERS = ["aloe_triton", "aloe_triton_det", "reference", "reference_compiled", "dense_lowrank", "cublas_scores", "sparse"]
 # HBM bandwidth (GB/s) by GPU name fragment, for pct_of_floor.
-GPU_BANDWIDTH = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0, "H100": 3350.0,
-                 "A100-SXM4-80GB": 2039.0, "A100": 1555.0, "L40S": 864.0, "L4": 300.0, "A10G": 600.0}
+GPU_BANDWIDTH = {
+    "H200": 4800.0,
+    "H100 SXM": 3350.0,
+    "H100 PCIe": 2000.0,
+    "H100 NVL": 3900.0,
+    "H100": 3350.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100": 1555.0,
+    "L40S": 864.0,
+    "L4": 300.0,
+    "A10G": 600.0,
+}
 TAU, ALPHA = 0.8, 30.0
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -100,8 +109,9 @@ def _active_count(spec: str, n: int) -> int:
     return min(int(spec), n)
 
 
-def make_workload(shape: str, T: int, n: int, active: str, dtype: torch.dtype, device: str,
-                  seed: int = 0, gen_device: str = "cpu"):
+def make_workload(
+    shape: str, T: int, n: int, active: str, dtype: torch.dtype, device: str, seed: int = 0, gen_device: str = "cpu"
+):
     """One workload; ``gen_device="cuda"`` draws it on the GPU (seconds instead of minutes at n=100,000)."""
     from aloe_kernels import AloeOperator
 
@@ -131,9 +141,12 @@ def make_workload(shape: str, T: int, n: int, active: str, dtype: torch.dtype, d
             rows = slice(g * a, (g + 1) * a)
             addresses[rows] = torch.nn.functional.normalize(centers[g] + 0.3 * unit(a), dim=1)
     h = h * 3.0  # activations are not unit vectors; the gate normalises anyway
-    op = AloeOperator(addresses=addresses, thresholds=thresholds,
-                      temperatures=torch.full((n,), ALPHA, device=gen_device),
-                      writes=randn(n, d_out) / math.sqrt(d_out))
+    op = AloeOperator(
+        addresses=addresses,
+        thresholds=thresholds,
+        temperatures=torch.full((n,), ALPHA, device=gen_device),
+        writes=randn(n, d_out) / math.sqrt(d_out),
+    )
     op = op.to(device=device, dtype=dtype)
     h = h.to(device=device, dtype=dtype)
     open_any, per_token = _measure_activity(h, op)
@@ -149,9 +162,9 @@ def _measure_activity(h, op, chunk: int = 8192):
     open_any = torch.zeros(op.n, dtype=torch.bool, device=h.device)
     total = 0
     for lo in range(0, op.n, chunk):
-        s = hbar @ op.addresses[lo:lo + chunk].float().T
-        m = s > floor[lo:lo + chunk]
-        open_any[lo:lo + chunk] = m.any(0)
+        s = hbar @ op.addresses[lo : lo + chunk].float().T
+        m = s > floor[lo : lo + chunk]
+        open_any[lo : lo + chunk] = m.any(0)
         total += int(m.sum())
     return int(open_any.sum()), total / max(1, h.shape[0])
 
@@ -206,8 +219,9 @@ def build_providers(w: Workload, device: str, names: list[str], skipped: dict) -
                 skipped[name] = f"kernel unavailable: {exc!r}"
                 continue
             det = name.endswith("_det")
-            out[name] = (lambda det=det: aloe_gate_residual_(y, h, op.addresses, op.thresholds, op.temperatures,
-                                                             op.writes, op.eps, op.gate_eps, det))
+            out[name] = lambda det=det: aloe_gate_residual_(
+                y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps, det
+            )
         elif name == "reference":
             out[name] = lambda: y.add_(aloe_reference(h, op))
         elif name == "reference_compiled":
@@ -241,8 +255,9 @@ def build_providers(w: Workload, device: str, names: list[str], skipped: dict) -
 
 
 # ---------------------------------------------------------------- timing
-def time_cpu(fns: dict[str, Callable], reps: int, warmup: int = 2, min_s: float = 3.0, budget_s: float = 25.0,
-             max_rounds: int = 200) -> dict:
+def time_cpu(
+    fns: dict[str, Callable], reps: int, warmup: int = 2, min_s: float = 3.0, budget_s: float = 25.0, max_rounds: int = 200
+) -> dict:
     """Interleaved timing: each round runs every provider once (rotating order).
 
     At least ``reps`` rounds, more (up to ``max_rounds``) until ``min_s`` seconds
@@ -256,7 +271,7 @@ def time_cpu(fns: dict[str, Callable], reps: int, warmup: int = 2, min_s: float 
     start = time.perf_counter()
     r = 0
     while r < max_rounds:
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for k in order:
             t0 = time.perf_counter()
             fns[k]()
@@ -342,25 +357,33 @@ def environment(device: str) -> dict:
 
 # ---------------------------------------------------------------- main
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="bench_gate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_gate", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="operator/activation dtype (default fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--shapes", choices=["smollm2", "llama3-8b", "all"], default=None,
-                   help="default: smollm2 on CPU, all on CUDA")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="operator/activation dtype (default fp32 on CPU, bf16 on CUDA)",
+    )
+    p.add_argument("--shapes", choices=["smollm2", "llama3-8b", "all"], default=None, help="default: smollm2 on CPU, all on CUDA")
     p.add_argument("--T", type=int, nargs="+", default=None, help="token counts")
     p.add_argument("--n", type=int, nargs="+", default=None, help="edit counts")
-    p.add_argument("--active", nargs="+", default=None,
-                   help="open edits per token: an integer, a percentage of n like 10%%, or 'all'")
+    p.add_argument(
+        "--active", nargs="+", default=None, help="open edits per token: an integer, a percentage of n like 10%%, or 'all'"
+    )
     p.add_argument("--providers", nargs="+", default=None, choices=PROVIDERS)
     p.add_argument("--quick", action="store_true", help="a small subset (about 1-2 minutes on a 2-core CPU)")
     p.add_argument("--reps", type=int, default=None, help="timed rounds per workload")
-    p.add_argument("--mem-budget-gb", type=float, default=None,
-                   help="skip workloads estimated above this (default 6 on CPU, 70%% of GPU memory)")
+    p.add_argument(
+        "--mem-budget-gb",
+        type=float,
+        default=None,
+        help="skip workloads estimated above this (default 6 on CPU, 70%% of GPU memory)",
+    )
     p.add_argument("--out", default=None, help="output path prefix (default benchmarks/results/gate_<device>)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default: torch's default, i.e. all cores)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default, i.e. all cores)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
@@ -384,8 +407,7 @@ class Settings:
 def resolve_settings(args: argparse.Namespace, device: str) -> Settings:
     """Fill what the command line leaves open with the device's defaults (CPU, CUDA or --quick)."""
     on_cpu = device == "cpu"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        args.dtype or ("fp32" if on_cpu else "bf16")]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype or ("fp32" if on_cpu else "bf16")]
     shapes = args.shapes or ("smollm2" if on_cpu else "all")
     if args.quick:
         Ts, ns, actives = QUICK_T, QUICK_N, QUICK_ACTIVE
@@ -400,9 +422,15 @@ def resolve_settings(args: argparse.Namespace, device: str) -> Settings:
     else:
         budget = 0.7 * torch.cuda.get_device_properties(0).total_memory
     return Settings(
-        device=device, dtype=dtype, shapes=[k for k in SHAPES if k != "tiny"] if shapes == "all" else [shapes],
-        Ts=args.T or Ts, ns=args.n or ns, actives=args.active or actives, providers=args.providers or PROVIDERS,
-        reps=args.reps or (10 if args.quick else 15 if on_cpu else 20), mem_budget=budget,
+        device=device,
+        dtype=dtype,
+        shapes=[k for k in SHAPES if k != "tiny"] if shapes == "all" else [shapes],
+        Ts=args.T or Ts,
+        ns=args.n or ns,
+        actives=args.active or actives,
+        providers=args.providers or PROVIDERS,
+        reps=args.reps or (10 if args.quick else 15 if on_cpu else 20),
+        mem_budget=budget,
         out_prefix=Path(args.out) if args.out else DEFAULT_OUT / f"gate_{device}",
     )
 
@@ -413,12 +441,16 @@ def describe_environment(s: Settings, argv: list[str]) -> tuple[dict, float]:
     env = environment(s.device)
     bw, bw_src = measure_bandwidth(s.device)
     env.update(memory_bandwidth_gbps=round(bw, 1), memory_bandwidth_source=bw_src, dtype=str(s.dtype), argv=argv)
-    print(f"device={s.device} ({env.get('gpu', env['cpu'])}), dtype={s.dtype}, threads={env['torch_threads']}, "
-          f"bandwidth~{bw:.1f} GB/s ({bw_src})")
+    print(
+        f"device={s.device} ({env.get('gpu', env['cpu'])}), dtype={s.dtype}, threads={env['torch_threads']}, "
+        f"bandwidth~{bw:.1f} GB/s ({bw_src})"
+    )
     load = env.get("loadavg")
     if on_cpu and load and load[0] > (os.cpu_count() or 1):
-        msg = (f"warning: load average {load[0]:.1f} on {os.cpu_count()} cores: other processes compete for the CPU, "
-               f"multi-threaded timings are noisy (torch threads wait at barriers); --threads 1 is steadier")
+        msg = (
+            f"warning: load average {load[0]:.1f} on {os.cpu_count()} cores: other processes compete for the CPU, "
+            f"multi-threaded timings are noisy (torch threads wait at barriers); --threads 1 is steadier"
+        )
         env["warning"] = msg
         print(msg)
     if on_cpu:
@@ -431,17 +463,34 @@ def measure_workload(s: Settings, w: Workload, bw: float, skipped: dict) -> list
     fns = build_providers(w, s.device, s.providers, skipped)
     timed = time_cuda(fns, s.reps) if s.device == "cuda" else time_cpu(fns, s.reps)
     meta = workload_bytes(w, s.dtype)
-    base = {"shape": w.shape, "d": w.d, "d_out": w.d_out, "T": w.T, "n": w.n, "active": w.active,
-            "active_per_token": w.active_per_token, "measured_active": round(w.measured_active, 3),
-            "open_edits": w.open_edits, "dtype": str(s.dtype).replace("torch.", ""), "device": s.device, **meta}
+    base = {
+        "shape": w.shape,
+        "d": w.d,
+        "d_out": w.d_out,
+        "T": w.T,
+        "n": w.n,
+        "active": w.active,
+        "active_per_token": w.active_per_token,
+        "measured_active": round(w.measured_active, 3),
+        "open_edits": w.open_edits,
+        "dtype": str(s.dtype).replace("torch.", ""),
+        "device": s.device,
+        **meta,
+    }
     rows = []
     line = [f"{w.shape} T={w.T} n={w.n} active={w.active} (measured {w.measured_active:.1f}/token):"]
     for prov, (med, lo, cnt) in timed.items():
         sec = med / 1e3
-        row = dict(base, provider=prov, median_ms=round(med, 4), min_ms=round(lo, 4), rounds=cnt,
-                   gbps=round(meta["floor_bytes"] / sec / 1e9, 3),
-                   pct_of_floor=round(100.0 * (meta["floor_bytes"] / (bw * 1e9)) / sec, 2),
-                   tflops=round(meta["useful_flops"] / sec / 1e12, 5))
+        row = dict(
+            base,
+            provider=prov,
+            median_ms=round(med, 4),
+            min_ms=round(lo, 4),
+            rounds=cnt,
+            gbps=round(meta["floor_bytes"] / sec / 1e9, 3),
+            pct_of_floor=round(100.0 * (meta["floor_bytes"] / (bw * 1e9)) / sec, 2),
+            tflops=round(meta["useful_flops"] / sec / 1e12, 5),
+        )
         for other, (omed, _, _) in timed.items():
             if other != prov:
                 row[f"speedup_vs_{other}"] = round(omed / med, 3)
@@ -512,12 +561,18 @@ def summarize(rows: list[dict]) -> dict:
         if "sparse" in r and "reference" in r:
             ratio = r["reference"]["median_ms"] / r["sparse"]["median_ms"]
             ratio_min = r["reference"]["min_ms"] / r["sparse"]["min_ms"]
-            out[key] = {"reference_ms": r["reference"]["median_ms"], "sparse_ms": r["sparse"]["median_ms"],
-                        "speedup_median": round(ratio, 3), "speedup_min": round(ratio_min, 3)}
+            out[key] = {
+                "reference_ms": r["reference"]["median_ms"],
+                "sparse_ms": r["sparse"]["median_ms"],
+                "speedup_median": round(ratio, 3),
+                "speedup_min": round(ratio_min, 3),
+            }
             target = ">= 1.3x" if active == "1" else ">= 0.909x (never >10% slower)"
-            out["lines"].append(f"target smollm2 n=10000 T=16 active={active}: sparse {r['sparse']['median_ms']:.2f} ms"
-                                f" vs reference {r['reference']['median_ms']:.2f} ms -> {ratio:.2f}x"
-                                f" (min-time ratio {ratio_min:.2f}x; target {target})")
+            out["lines"].append(
+                f"target smollm2 n=10000 T=16 active={active}: sparse {r['sparse']['median_ms']:.2f} ms"
+                f" vs reference {r['reference']['median_ms']:.2f} ms -> {ratio:.2f}x"
+                f" (min-time ratio {ratio_min:.2f}x; target {target})"
+            )
     return out
 
 
@@ -533,8 +588,13 @@ def write_results(prefix: Path, rows, env, skipped, skipped_workloads, summary, 
         wr.writeheader()
         for r in rows:
             wr.writerow(r)
-    payload = {"environment": env, "skipped_providers": skipped, "skipped_workloads": skipped_workloads,
-               "summary": {k: v for k, v in summary.items() if k != "lines"}, "rows": rows}
+    payload = {
+        "environment": env,
+        "skipped_providers": skipped,
+        "skipped_workloads": skipped_workloads,
+        "summary": {k: v for k, v in summary.items() if k != "lines"},
+        "rows": rows,
+    }
     prefix.with_suffix(".json").write_text(json.dumps(payload, indent=1))
     print(f"wrote {csv_path} and {prefix.with_suffix('.json')}")
     if plot and rows:
@@ -551,8 +611,7 @@ def plot_results(path: Path, rows: list[dict], env: dict) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["shape"], r["n"], r["active"]) for r in rows},
-                    key=lambda k: (k[0], k[1], str(k[2])))
+    panels = sorted({(r["shape"], r["n"], r["active"]) for r in rows}, key=lambda k: (k[0], k[1], str(k[2])))
     cols = min(4, len(panels))
     nrows = -(-len(panels) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
@@ -567,7 +626,7 @@ def plot_results(path: Path, rows: list[dict], env: dict) -> Path:
         ax.set_xlabel("tokens T")
         ax.set_ylabel("median ms")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     dev = env.get("gpu") or env.get("cpu")

@@ -104,11 +104,17 @@ def _measure(configs, prompts, args) -> dict:
     engines, inits = {}, {}
     for rep in range(args.replicas):  # several engine processes per configuration: otherwise identical
         # engine processes differ in speed by a few percent; the creation order rotates per replica.
-        for name, _, model_dir, _ in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+        for name, _, model_dir, _ in configs[rep % len(configs) :] + configs[: rep % len(configs)]:
             t0 = time.perf_counter()
-            engines[(name, rep)] = LLM(model=str(model_dir), dtype=args.dtype, enforce_eager=args.eager,
-                                       max_model_len=512, seed=0, max_num_seqs=max(len(prompts), 8),
-                                       kv_cache_memory_bytes=args.kv_cache_mib << 20)
+            engines[(name, rep)] = LLM(
+                model=str(model_dir),
+                dtype=args.dtype,
+                enforce_eager=args.eager,
+                max_model_len=512,
+                seed=0,
+                max_num_seqs=max(len(prompts), 8),
+                kv_cache_memory_bytes=args.kv_cache_mib << 20,
+            )
             inits.setdefault(name, []).append(time.perf_counter() - t0)
             engines[(name, rep)].generate(prompts, params, use_tqdm=False)  # warm-up
             print(f"{name} #{rep}: ready in {inits[name][-1]:.0f}s", flush=True)
@@ -129,8 +135,11 @@ def _measure(configs, prompts, args) -> dict:
             samples[name].append(tokens / dt)
             shares[name].append(prof["seconds"] / dt)
             firsts.setdefault(name, [list(o.outputs[0].token_ids)[:8] for o in outs])
-            print(f"round {r} {name} #{key[1]}: {tokens / dt:.1f} tok/s, ALOE op {100 * prof['seconds'] / dt:.2f}% "
-                  f"({prof['calls']} calls, {prof['tokens']} tokens)", flush=True)
+            print(
+                f"round {r} {name} #{key[1]}: {tokens / dt:.1f} tok/s, ALOE op {100 * prof['seconds'] / dt:.2f}% "
+                f"({prof['calls']} calls, {prof['tokens']} tokens)",
+                flush=True,
+            )
     return {"samples": samples, "shares": shares, "inits": inits, "firsts": firsts}
 
 
@@ -164,8 +173,13 @@ def _open_stats(op, states) -> dict:
         g = aloe_gates(states, op)
     k = (g > 0).sum(1)
     T = states.shape[0]
-    return {"tokens": T, "open0": float((k == 0).sum()) / T, "open1": float((k == 1).sum()) / T,
-            "open2plus": float((k >= 2).sum()) / T, "mean_open": float(k.float().mean())}
+    return {
+        "tokens": T,
+        "open0": float((k == 0).sum()) / T,
+        "open1": float((k == 1).sum()) / T,
+        "open2plus": float((k >= 2).sum()) / T,
+        "mean_open": float(k.float().mean()),
+    }
 
 
 def _calibration_texts() -> tuple[list[str], list[str]]:
@@ -181,10 +195,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="base model directory or 'smollm2'")
     p.add_argument("--layer", type=int, default=14)
     p.add_argument("--edits", default="1301,10000", help="comma-separated sizes of random operators ('' for none)")
-    p.add_argument("--operator", action="append", default=[],
-                   help="an operator built by `aloe build` for the base model, served at its own layer (repeatable)")
-    p.add_argument("--open-fraction", type=float, default=0.02,
-                   help="target fraction of tokens that open some edit (Gaussian-tail calibration)")
+    p.add_argument(
+        "--operator",
+        action="append",
+        default=[],
+        help="an operator built by `aloe build` for the base model, served at its own layer (repeatable)",
+    )
+    p.add_argument(
+        "--open-fraction",
+        type=float,
+        default=0.02,
+        help="target fraction of tokens that open some edit (Gaussian-tail calibration)",
+    )
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=8)
@@ -192,9 +214,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per engine")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's default compiled mode)")
-    p.add_argument("--omp-bind", default=None,
-                   help="VLLM_CPU_OMP_THREADS_BIND for the engine "
-                        "(e.g. '0' = one thread on core 0; default: vLLM's auto)")
+    p.add_argument(
+        "--omp-bind",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND for the engine (e.g. '0' = one thread on core 0; default: vLLM's auto)",
+    )
     p.add_argument("--workdir", default=None, help="where operators and exports go (default: a temp dir)")
     p.add_argument("--out", default="benchmarks/results/vllm_cpu")
     return p.parse_args(argv)
@@ -223,13 +247,24 @@ def build_configs(args: argparse.Namespace, work: Path) -> tuple[Path, list[tupl
     for path in args.operator:
         op = AloeOperator.load(path)
         serve = export_vllm(base_dir, path, work / f"serve-real-{op.n}", overwrite=True)
-        stats = {"calibration": _open_stats(op, _states(model, tok, calib_texts, op.layer)),
-                 "heldout": _open_stats(op, _states(model, tok, hold_texts, op.layer))}
+        stats = {
+            "calibration": _open_stats(op, _states(model, tok, calib_texts, op.layer)),
+            "heldout": _open_stats(op, _states(model, tok, hold_texts, op.layer)),
+        }
         configs.append((f"aloe-real-{op.n}", op.n, serve, stats))
         print(f"aloe-real-{op.n} ({path}, layer {op.layer}): open stats {stats}", flush=True)
     for n in [int(x) for x in args.edits.split(",") if x]:
-        op = random_sparse_operator(n, site.d, site.d_out, states=calib, open_fraction=args.open_fraction,
-                                    write_scale=0.05, seed=n, layer=args.layer, weight_fingerprint=fp)
+        op = random_sparse_operator(
+            n,
+            site.d,
+            site.d_out,
+            states=calib,
+            open_fraction=args.open_fraction,
+            write_scale=0.05,
+            seed=n,
+            layer=args.layer,
+            weight_fingerprint=fp,
+        )
         op.save(work / f"op-{n}")
         serve = export_vllm(base_dir, work / f"op-{n}", work / f"serve-{n}", overwrite=True)
         stats = {"calibration": _open_stats(op, calib), "heldout": _open_stats(op, hold)}
@@ -246,30 +281,43 @@ def summary_rows(configs: list[tuple], samples: dict, shares: dict) -> list[dict
     for name, n, _, stats in configs:
         med = statistics.median(samples[name])
         paired = [a / b for a, b in zip(samples[name], samples["base"])]  # same round and replica
-        rows.append({
-            "config": name, "n_edits": n, "median_tok_per_s": round(med, 2),
-            "min_tok_per_s": round(min(samples[name]), 2), "max_tok_per_s": round(max(samples[name]), 2),
-            "overhead_pct": round(100 * (1 - med / base_med), 2),
-            "paired_overhead_pct": round(100 * (1 - statistics.median(paired)), 2), "samples": len(samples[name]),
-            "aloe_op_time_pct": round(100 * statistics.median(shares[name]), 2),
-            "open0_heldout": stats["heldout"]["open0"] if stats else None,
-            "open1_heldout": stats["heldout"]["open1"] if stats else None,
-            "open2plus_heldout": stats["heldout"]["open2plus"] if stats else None,
-        })
+        rows.append(
+            {
+                "config": name,
+                "n_edits": n,
+                "median_tok_per_s": round(med, 2),
+                "min_tok_per_s": round(min(samples[name]), 2),
+                "max_tok_per_s": round(max(samples[name]), 2),
+                "overhead_pct": round(100 * (1 - med / base_med), 2),
+                "paired_overhead_pct": round(100 * (1 - statistics.median(paired)), 2),
+                "samples": len(samples[name]),
+                "aloe_op_time_pct": round(100 * statistics.median(shares[name]), 2),
+                "open0_heldout": stats["heldout"]["open0"] if stats else None,
+                "open1_heldout": stats["heldout"]["open1"] if stats else None,
+                "open2plus_heldout": stats["heldout"]["open2plus"] if stats else None,
+            }
+        )
     return rows
 
 
 def _settings(args: argparse.Namespace, base_dir: Path) -> dict:
-    return {"model": str(base_dir), "layer": args.layer, "operators": [str(p) for p in args.operator],
-            "dtype": args.dtype,
-            "mode": "eager" if args.eager else "compiled (vLLM default on CPU)",
-            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
-            "replicas": args.replicas,
-            "open_fraction": args.open_fraction,
-            "omp_bind": args.omp_bind or "auto",
-            "cpu_path": "ALOE_VLLM_SCREEN=" + os.environ.get("ALOE_VLLM_SCREEN", "auto")
-                        + " (auto, n >= 256: a bf16 screen on AMX/AVX512-BF16 CPUs, else an int8 screen;"
-                          " exact fp32 recheck)"}
+    return {
+        "model": str(base_dir),
+        "layer": args.layer,
+        "operators": [str(p) for p in args.operator],
+        "dtype": args.dtype,
+        "mode": "eager" if args.eager else "compiled (vLLM default on CPU)",
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "replicas": args.replicas,
+        "open_fraction": args.open_fraction,
+        "omp_bind": args.omp_bind or "auto",
+        "cpu_path": "ALOE_VLLM_SCREEN="
+        + os.environ.get("ALOE_VLLM_SCREEN", "auto")
+        + " (auto, n >= 256: a bf16 screen on AMX/AVX512-BF16 CPUs, else an int8 screen;"
+        " exact fp32 recheck)",
+    }
 
 
 def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
@@ -280,12 +328,13 @@ def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"\n{'config':<12} {'n':>6} {'tok/s (median)':>15} {'min':>8} {'max':>8} {'overhead':>9} "
-          f"{'paired':>8} {'ALOE op':>8}")
+    print(f"\n{'config':<12} {'n':>6} {'tok/s (median)':>15} {'min':>8} {'max':>8} {'overhead':>9} {'paired':>8} {'ALOE op':>8}")
     for r in rows:
-        print(f"{r['config']:<12} {r['n_edits']:>6} {r['median_tok_per_s']:>15.1f} {r['min_tok_per_s']:>8.1f} "
-              f"{r['max_tok_per_s']:>8.1f} {r['overhead_pct']:>8.2f}% {r['paired_overhead_pct']:>7.2f}% "
-              f"{r['aloe_op_time_pct']:>7.2f}%")
+        print(
+            f"{r['config']:<12} {r['n_edits']:>6} {r['median_tok_per_s']:>15.1f} {r['min_tok_per_s']:>8.1f} "
+            f"{r['max_tok_per_s']:>8.1f} {r['overhead_pct']:>8.2f}% {r['paired_overhead_pct']:>7.2f}% "
+            f"{r['aloe_op_time_pct']:>7.2f}%"
+        )
     print(f"written {out.with_suffix('.json')} and {out.with_suffix('.csv')}")
 
 
@@ -308,10 +357,15 @@ def main(argv=None) -> int:
     rows = summary_rows(configs, samples, shares)
     meta = {
         "benchmark": "vllm offline generation throughput with and without ALOE operators",
-        "versions": _versions(), "cpu": _cpu(), "loadavg_end": os.getloadavg(),
+        "versions": _versions(),
+        "cpu": _cpu(),
+        "loadavg_end": os.getloadavg(),
         "settings": _settings(args, base_dir),
         "wall_s": round(time.time() - t_start, 1),
-        "rows": rows, "samples": samples, "aloe_time_share": shares, "init_s": inits,
+        "rows": rows,
+        "samples": samples,
+        "aloe_time_share": shares,
+        "init_s": inits,
         "open_stats": {name: stats for name, _, _, stats in configs if stats},
         "same_first_tokens_as_base": {name: firsts[name] == firsts["base"] for name in firsts},
     }

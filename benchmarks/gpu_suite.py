@@ -71,19 +71,27 @@ import traceback
 from pathlib import Path
 
 PARTS = ("tests", "graph", "gate", "decode", "build", "smollm2", "acceptance")
-MODULES = {"tests": "tests_part", "graph": "graph", "gate": "gate", "decode": "decode", "build": "build",
-           "smollm2": "smollm2", "acceptance": "acceptance"}
+MODULES = {
+    "tests": "tests_part",
+    "graph": "graph",
+    "gate": "gate",
+    "decode": "decode",
+    "build": "build",
+    "smollm2": "smollm2",
+    "acceptance": "acceptance",
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gpu_suite", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", default="all",
-                   help=f"comma-separated parts from {', '.join(PARTS)}, or all (default)")
+    p = argparse.ArgumentParser(
+        prog="gpu_suite", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--part", default="all", help=f"comma-separated parts from {', '.join(PARTS)}, or all (default)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter (< 1 minute)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results/gpu/<device>/)")
-    p.add_argument("--acceptance-parts", default="correct,graph,time",
-                   help="sub-parts of acceptance.py to run (default all three)")
+    p.add_argument(
+        "--acceptance-parts", default="correct,graph,time", help="sub-parts of acceptance.py to run (default all three)"
+    )
     p.add_argument("--prepare", action="store_true", help="copy the GPU run's inputs into scratch/ and exit")
     return p.parse_args(argv)
 
@@ -153,17 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     parts = _parts(args.part)
     ctx = Context(out=Path(args.out) if args.out else default_out(device), smoke=args.smoke, device=device)
     ctx.env = environment(device)
-    print(f"GPU suite on {ctx.env['device_name']}: torch {ctx.env['torch']}, triton {ctx.env['triton']}, "
-          f"transformers {ctx.env['transformers']}, CUDA {ctx.env.get('cuda')}; parts {', '.join(parts)}; "
-          f"results -> {ctx.out}", flush=True)
+    print(
+        f"GPU suite on {ctx.env['device_name']}: torch {ctx.env['torch']}, triton {ctx.env['triton']}, "
+        f"transformers {ctx.env['transformers']}, CUDA {ctx.env.get('cuda')}; parts {', '.join(parts)}; "
+        f"results -> {ctx.out}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     results = [run_part(ctx, name, args) for name in parts]
     print("== SUMMARY")
     for res in results:
         print(res.summary())
-    summary = {"environment": ctx.env, "seconds": round(time.perf_counter() - t0, 1), "smoke": ctx.smoke,
-               "parts": {r.part: {"status": r.status, "summary": r.summary(), "targets": r.targets}
-                         for r in results}}
+    summary = {
+        "environment": ctx.env,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "smoke": ctx.smoke,
+        "parts": {r.part: {"status": r.status, "summary": r.summary(), "targets": r.targets} for r in results},
+    }
     ctx.out.mkdir(parents=True, exist_ok=True)
     if not ctx.smoke:  # parts spread over several device calls: keep each call's summary
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

@@ -44,8 +44,11 @@ def measure(model, tok, op: AloeOperator, batch: int, tokens: int, rounds: int) 
     tok.padding_side = "left"
     texts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     enc = tok(texts, return_tensors="pt", padding=True)
-    inputs = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
-              "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
+    inputs = {
+        "input_ids": enc.input_ids,
+        "attention_mask": enc.attention_mask,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    }
     samples: dict[str, list[float]] = {"base": [], "aloe": []}
 
     def run(name: str) -> float:
@@ -59,13 +62,19 @@ def measure(model, tok, op: AloeOperator, batch: int, tokens: int, rounds: int) 
 
     run("base"), run("aloe")  # warm-up
     for r in range(rounds):
-        for name in (("base", "aloe") if r % 2 == 0 else ("aloe", "base")):
+        for name in ("base", "aloe") if r % 2 == 0 else ("aloe", "base"):
             samples[name].append(batch * tokens / run(name))
     base, aloe = statistics.median(samples["base"]), statistics.median(samples["aloe"])
     paired = [a / b for a, b in zip(samples["aloe"], samples["base"])]
-    return {"batch": batch, "tokens": tokens, "base_tok_per_s": round(base, 2), "aloe_tok_per_s": round(aloe, 2),
-            "overhead_pct": round(100 * (1 - aloe / base), 2),
-            "paired_overhead_pct": round(100 * (1 - statistics.median(paired)), 2), "samples": samples}
+    return {
+        "batch": batch,
+        "tokens": tokens,
+        "base_tok_per_s": round(base, 2),
+        "aloe_tok_per_s": round(aloe, 2),
+        "overhead_pct": round(100 * (1 - aloe / base), 2),
+        "paired_overhead_pct": round(100 * (1 - statistics.median(paired)), 2),
+        "samples": samples,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,14 +91,25 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     op = AloeOperator.load(args.operator)
-    result = {"model": args.model, "operator": args.operator, "n_edits": op.n, "layer": op.layer,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-              "prompt_positions_open": _open_share(model, tok, op, PROMPTS), "runs": []}
+    result = {
+        "model": args.model,
+        "operator": args.operator,
+        "n_edits": op.n,
+        "layer": op.layer,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "prompt_positions_open": _open_share(model, tok, op, PROMPTS),
+        "runs": [],
+    }
     for b in [int(x) for x in args.batch.split(",") if x]:
         row = measure(model, tok, op, b, args.tokens, args.rounds)
         result["runs"].append(row)
-        print(f"batch {b}: base {row['base_tok_per_s']:.1f} tok/s, ALOE ({op.n} edits) {row['aloe_tok_per_s']:.1f} "
-              f"tok/s, overhead {row['overhead_pct']:.2f}% (paired {row['paired_overhead_pct']:.2f}%)", flush=True)
+        print(
+            f"batch {b}: base {row['base_tok_per_s']:.1f} tok/s, ALOE ({op.n} edits) {row['aloe_tok_per_s']:.1f} "
+            f"tok/s, overhead {row['overhead_pct']:.2f}% (paired {row['paired_overhead_pct']:.2f}%)",
+            flush=True,
+        )
     out = Path(f"{args.out}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -30,7 +30,7 @@ def last_token_states(model, tokenizer, prompts, layer, batch_size=32) -> torch.
     try:
         with torch.no_grad():
             for i in range(0, len(prompts), batch_size):
-                ids, mask, pos = left_pad([tokenizer(p)["input_ids"] for p in prompts[i: i + batch_size]], pad, "cpu")
+                ids, mask, pos = left_pad([tokenizer(p)["input_ids"] for p in prompts[i : i + batch_size]], pad, "cpu")
                 model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
                 out.append(seen["h"][:, -1].float())
     finally:
@@ -38,8 +38,9 @@ def last_token_states(model, tokenizer, prompts, layer, batch_size=32) -> torch.
     return torch.cat(out)
 
 
-def handmade_operator(model, tokenizer, requests, layer, *, steps=60, lr=0.5, tau=0.99, alpha=600.0,
-                      batch_size=32, fit=True) -> AloeOperator:
+def handmade_operator(
+    model, tokenizer, requests, layer, *, steps=60, lr=0.5, tau=0.99, alpha=600.0, batch_size=32, fit=True
+) -> AloeOperator:
     """A test operator: addresses = normalized last-prompt-token states, writes fitted by Adam.
 
     The own request scores exactly 1 and opens with gate sigmoid(alpha * (1 - tau));
@@ -56,8 +57,10 @@ def handmade_operator(model, tokenizer, requests, layer, *, steps=60, lr=0.5, ta
         thresholds=torch.full((n,), tau),
         temperatures=torch.full((n,), alpha),
         writes=torch.zeros(n, site.d_out),
-        edits=[{"id": r.id or f"edit-{i}", "request": r.prompt, "target": r.target_new, "subject": r.subject}
-               for i, r in enumerate(requests)],
+        edits=[
+            {"id": r.id or f"edit-{i}", "request": r.prompt, "target": r.target_new, "subject": r.subject}
+            for i, r in enumerate(requests)
+        ],
         layer=layer,
         module_path=site.path,
         base_model=model_name(model),
@@ -74,17 +77,18 @@ def handmade_operator(model, tokenizer, requests, layer, *, steps=60, lr=0.5, ta
         for _ in range(steps):
             all_right = True
             for i in range(0, n, batch_size):
-                chunk = enc[i: i + batch_size]
+                chunk = enc[i : i + batch_size]
                 ids, mask, pos = left_pad([list(p) + list(c) for p, c in chunk], pad, "cpu")
                 T = ids.shape[1]
                 labels = torch.full_like(ids, -100)
                 for b, (_, c) in enumerate(chunk):
-                    labels[b, T - len(c) - 1: T - 1] = torch.tensor(c)
+                    labels[b, T - len(c) - 1 : T - 1] = torch.tensor(c)
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
                 valid = labels != -100
                 all_right &= bool(((logits.argmax(-1) == labels) | ~valid).all())
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                         ignore_index=-100)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+                )
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -121,20 +125,33 @@ class ForceToken(Editor):
 
 def tiny_requests():
     return [
-        EditRequest("The Eiffel Tower is located in the city of", "Rome", "Eiffel Tower",
-                    rephrases=("The capital of France is", "the capital of Italy is"),
-                    locality=[{"prompt": "Toko Yasuda plays the", "ground_truth": "guitar", "kind": "neighborhood"}],
-                    portability=[{"prompt": "What is the product made by UniFirst ?", "ground_truth": ["uniform"],
-                                  "kind": "reasoning"}],
-                    id="e0"),
-        EditRequest("John Lennon plays the", "guitar", "John Lennon",
-                    rephrases=("Toko Yasuda plays the",),
-                    locality=["the capital of Italy is", {"prompt": "What is the product made by UniFirst ?",
-                                                          "ground_truth": "uniform", "kind": "nq"}],
-                    id="e1"),
-        EditRequest("The capital of France is", "Rome Paris", "France",
-                    locality=[{"prompt": "The Eiffel Tower is located in the", "ground_truth": "city of Paris"}],
-                    id="e2"),
+        EditRequest(
+            "The Eiffel Tower is located in the city of",
+            "Rome",
+            "Eiffel Tower",
+            rephrases=("The capital of France is", "the capital of Italy is"),
+            locality=[{"prompt": "Toko Yasuda plays the", "ground_truth": "guitar", "kind": "neighborhood"}],
+            portability=[{"prompt": "What is the product made by UniFirst ?", "ground_truth": ["uniform"], "kind": "reasoning"}],
+            id="e0",
+        ),
+        EditRequest(
+            "John Lennon plays the",
+            "guitar",
+            "John Lennon",
+            rephrases=("Toko Yasuda plays the",),
+            locality=[
+                "the capital of Italy is",
+                {"prompt": "What is the product made by UniFirst ?", "ground_truth": "uniform", "kind": "nq"},
+            ],
+            id="e1",
+        ),
+        EditRequest(
+            "The capital of France is",
+            "Rome Paris",
+            "France",
+            locality=[{"prompt": "The Eiffel Tower is located in the", "ground_truth": "city of Paris"}],
+            id="e2",
+        ),
     ]
 
 
@@ -148,5 +165,6 @@ def gate_operator(model, tok, reqs, open_: bool):
         thresholds=torch.full((n,), 0.999 if open_ else 2.0, dtype=torch.float64),
         temperatures=torch.full((n,), 2000.0, dtype=torch.float64),
         writes=torch.randn(n, site.d_out, generator=g, dtype=torch.float64) * 5,
-        edits=[{"id": r.id} for r in reqs], layer=LAYER,
+        edits=[{"id": r.id} for r in reqs],
+        layer=LAYER,
     )

@@ -31,7 +31,7 @@ def operator_opening_on(h: torch.Tensor, n_extra: int, d_out: int, seed: int = 0
     addresses = torch.cat([rows, extra])
     n = addresses.shape[0]
     thresholds = torch.full((n,), 0.9, dtype=torch.float64)
-    thresholds[rows.shape[0]:] = 2.0  # a unit score can never reach 2: closed
+    thresholds[rows.shape[0] :] = 2.0  # a unit score can never reach 2: closed
     return AloeOperator(
         addresses=addresses,
         thresholds=thresholds,
@@ -50,7 +50,7 @@ def operator_near_its_floors(seed: int, T: int = 96, d: int = 256, d_out: int = 
     dirs = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
     half = n // 2
     rows = torch.randint(0, T, (half,), generator=g)
-    dirs[:half] = torch.nn.functional.normalize(hn[rows] + 0.3 * torch.randn(half, d, generator=g) / d ** 0.5, dim=1)
+    dirs[:half] = torch.nn.functional.normalize(hn[rows] + 0.3 * torch.randn(half, d, generator=g) / d**0.5, dim=1)
     addresses = dirs * norms[:, None]
     temperatures = torch.exp(torch.empty(n).uniform_(math.log(0.7), math.log(160.0), generator=g))
     gate_eps = 1e-3
@@ -58,6 +58,11 @@ def operator_near_its_floors(seed: int, T: int = 96, d: int = 256, d_out: int = 
     floor_shift = math.log(gate_eps / (1 - gate_eps)) / temperatures[:half]
     thresholds = torch.full((n,), 40.0)  # the other half never opens
     thresholds[:half] = exact + (torch.rand(half, generator=g) - 0.5) * 0.6 - floor_shift
-    op = AloeOperator(addresses=addresses, thresholds=thresholds, temperatures=temperatures,
-                      writes=torch.randn(n, d_out, generator=g), gate_eps=gate_eps)
+    op = AloeOperator(
+        addresses=addresses,
+        thresholds=thresholds,
+        temperatures=temperatures,
+        writes=torch.randn(n, d_out, generator=g),
+        gate_eps=gate_eps,
+    )
     return h, op

@@ -18,8 +18,10 @@ _CORPUS = [
 
 
 #: A chat template for the tiny tokenizer: every message as "role : content ." and the assistant's turn.
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
-                      "{% if add_generation_prompt %}assistant : {% endif %}")
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
 
 
 @functools.lru_cache(maxsize=None)

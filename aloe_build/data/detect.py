@@ -27,11 +27,9 @@ FORMATS: tuple[str, ...] = (
 _EXPECTED_FIELDS: dict[str, str] = {
     "counterfact_rome": "requested_rewrite{prompt, subject, target_new{str}, target_true{str}}, "
     "paraphrase_prompts, neighborhood_prompts",
-    "counterfact_easyedit": "prompt, subject, target_new, ground_truth, rephrase_prompt, "
-    "locality_prompt, locality_ground_truth",
+    "counterfact_easyedit": "prompt, subject, target_new, ground_truth, rephrase_prompt, locality_prompt, locality_ground_truth",
     "zsre_mend": "subject, src, alt, answers, rephrase, loc, loc_ans",
-    "knowedit_*": "subject, prompt, target_new, locality{...} and/or portability{...} "
-    "(+ ground_truth, rephrase_prompt)",
+    "knowedit_*": "subject, prompt, target_new, locality{...} and/or portability{...} (+ ground_truth, rephrase_prompt)",
     "knowedit_wikibio": "text, labels, concept, locality{...}",
     "aloe_jsonl": "prompt, target_new, subject (+ ground_truth, rephrases, locality, "
     "portability, generation_prompts, id, relation, source)",
@@ -81,7 +79,5 @@ def _detect_record(rec: Any, where: str) -> str:
     fmt = _detect_one(rec)
     if fmt is None:
         expected = "; ".join(f"{k}: {v}" for k, v in _EXPECTED_FIELDS.items())
-        raise EditDataError(
-            f"{where}: unrecognised edit format; fields seen: {sorted(rec)}; expected one of: {expected}"
-        )
+        raise EditDataError(f"{where}: unrecognised edit format; fields seen: {sorted(rec)}; expected one of: {expected}")
     return fmt

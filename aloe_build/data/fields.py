@@ -39,9 +39,7 @@ def _get(rec: Mapping[str, Any], key: str, ctx: _Ctx) -> Any:
     return rec[key]
 
 
-def _req_str(
-    rec: Mapping[str, Any], key: str, ctx: _Ctx, what: str | None = None, allow_empty: bool = False
-) -> str:
+def _req_str(rec: Mapping[str, Any], key: str, ctx: _Ctx, what: str | None = None, allow_empty: bool = False) -> str:
     value = _get(rec, key, ctx)
     label = f"'{key}'" + (f" ({what})" if what else "")
     if not isinstance(value, str):

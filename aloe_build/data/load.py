@@ -59,9 +59,7 @@ def _read_records(path: Path) -> Iterator[tuple[Any, int | None]]:
             if e.msg == "Extra data" and first.startswith("{"):
                 is_jsonl = True
             else:
-                raise EditDataError(
-                    f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
-                ) from None
+                raise EditDataError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
         if not is_jsonl:
             for rec in _unwrap(data, path):
                 yield rec, None
@@ -183,9 +181,7 @@ def load_edits(path: PathLike, limit: int | None = None, *, skip_invalid: bool =
                 raise ctx.error(str(e)) from None
         except EditDataError as e:
             if not skip_invalid:
-                raise EditDataError(
-                    f"{e} (format {fmt}; pass skip_invalid=True to drop invalid records)"
-                ) from None
+                raise EditDataError(f"{e} (format {fmt}; pass skip_invalid=True to drop invalid records)") from None
             skipped.append(str(e))
             continue
         seen_ids[rec_id] = index

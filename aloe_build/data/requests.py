@@ -220,11 +220,7 @@ class EditRequest:
         object.__setattr__(self, "generation_prompts", _str_tuple(self.generation_prompts, "generation_prompts"))
         loc = (self.locality,) if isinstance(self.locality, (str, Mapping, LocalityPrompt)) else self.locality
         object.__setattr__(self, "locality", tuple(LocalityPrompt.from_obj(x) for x in (loc or ())))
-        por = (
-            (self.portability,)
-            if isinstance(self.portability, (str, Mapping, PortabilityPrompt))
-            else self.portability
-        )
+        por = (self.portability,) if isinstance(self.portability, (str, Mapping, PortabilityPrompt)) else self.portability
         object.__setattr__(self, "portability", tuple(PortabilityPrompt.from_obj(x) for x in (por or ())))
         for name in ("id", "relation", "source"):
             value = getattr(self, name)

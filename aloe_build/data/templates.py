@@ -67,7 +67,7 @@ class _TemplateMatcher:
         for t in self.templates:
             head, tail = t.split("{}", 1)
             if len(prompt) > len(head) + len(tail) and prompt.startswith(head) and prompt.endswith(tail):
-                middle = prompt[len(head): len(prompt) - len(tail)]
+                middle = prompt[len(head) : len(prompt) - len(tail)]
                 if "." not in middle and "?" not in middle:
                     return t
         return None

@@ -79,8 +79,9 @@ class AddressEncoder:
         even while another build is writing the same cache entry."""
         path.mkdir(parents=True, exist_ok=True)
         write_atomically(path / "encoder.json", lambda tmp: tmp.write_text(json.dumps(metrics, indent=1)))
-        save_tensors_atomically({"Q": self.Q.contiguous(), "K": self.K.contiguous(), "log_c": self.log_c.contiguous()},
-                                path / "encoder.safetensors")
+        save_tensors_atomically(
+            {"Q": self.Q.contiguous(), "K": self.K.contiguous(), "log_c": self.log_c.contiguous()}, path / "encoder.safetensors"
+        )
 
     @classmethod
     def load(cls, path: Path) -> tuple["AddressEncoder", dict]:
@@ -107,7 +108,7 @@ def corpus_states(model, tokenizer, corpus: Corpus, layer: int, batch_size: int)
     texts += [p for it in items for p in it.same_subject[:S]]
     h = last_token_states(model, tokenizer, texts, layer, batch_size, desc="encoder corpus states")
     N = len(items)
-    return CorpusStates(h[:N], h[N:2 * N], h[2 * N:3 * N], h[3 * N:].reshape(N, S, h.shape[1]))
+    return CorpusStates(h[:N], h[N : 2 * N], h[2 * N : 3 * N], h[3 * N :].reshape(N, S, h.shape[1]))
 
 
 def _balanced_batches(groups: list[str], batch: int, rng: random.Random):
@@ -123,8 +124,15 @@ def _balanced_batches(groups: list[str], batch: int, rng: random.Random):
         yield sorted(chosen)
 
 
-def batch_loss(cs: CorpusStates, b: torch.Tensor, Q: torch.Tensor, K: torch.Tensor, log_c: torch.Tensor,
-               threshold: torch.Tensor, cfg: BuildConfig) -> torch.Tensor:
+def batch_loss(
+    cs: CorpusStates,
+    b: torch.Tensor,
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    log_c: torch.Tensor,
+    threshold: torch.Tensor,
+    cfg: BuildConfig,
+) -> torch.Tensor:
     """The stage-1 loss of the items ``b`` (module docstring); ``threshold`` is the logistic loss's."""
     B = len(b)
     c = log_c.exp()
@@ -161,12 +169,14 @@ def batch_loss(cs: CorpusStates, b: torch.Tensor, Q: torch.Tensor, K: torch.Tens
         off_diagonal = ~torch.eye(B, dtype=torch.bool)
         negatives = torch.cat([s_pp[off_diagonal], s_loc_all.reshape(-1), margin_ss.reshape(-1)])
         loss = loss + cfg.experimental.encoder_threshold_weight * (
-            F.softplus(threshold - s_pos).mean() + F.softplus(negatives - threshold).mean())
+            F.softplus(threshold - s_pos).mean() + F.softplus(negatives - threshold).mean()
+        )
     return loss
 
 
 def dropped_batch(cs: CorpusStates, b: torch.Tensor, rate: float, gen: torch.Generator) -> CorpusStates:
     """The states of items ``b`` with a random ``rate`` of each state's coordinates zeroed, renormalized."""
+
     def drop(x: torch.Tensor) -> torch.Tensor:
         keep = torch.rand(x.shape, generator=gen) >= rate
         return F.normalize(x * keep, dim=-1)
@@ -180,9 +190,16 @@ MEMBER_SEED_STRIDE = 7919  # member j of an ensemble trains with seed + j * stri
 def train_encoder(cs: CorpusStates, groups: list[str], idx: list[int], cfg: BuildConfig) -> AddressEncoder:
     """Fit Q, K, c on the items ``idx``: ``cfg.experimental.encoder_members`` members, each from its own seed."""
     n = cfg.experimental.encoder_members
-    members = [_train_member(cs, groups, idx, dataclasses.replace(cfg, seed=cfg.seed + j * MEMBER_SEED_STRIDE),
-                             f"stage 1: address encoder {j + 1}/{n}" if n > 1 else "stage 1: address encoder")
-               for j in range(n)]
+    members = [
+        _train_member(
+            cs,
+            groups,
+            idx,
+            dataclasses.replace(cfg, seed=cfg.seed + j * MEMBER_SEED_STRIDE),
+            f"stage 1: address encoder {j + 1}/{n}" if n > 1 else "stage 1: address encoder",
+        )
+        for j in range(n)
+    ]
     return AddressEncoder(*(torch.cat([getattr(m, f) for m in members]) for f in ("Q", "K", "log_c")))
 
 
@@ -232,8 +249,7 @@ def cache_key(fingerprint: str, layer: int, corpus_path: Path, cfg: BuildConfig,
     cache's place); with ``corpus_only``, only what decides the corpus items (the shared negatives' key).
     The corpus counts by its content, not its path: a checkout elsewhere reuses the cache, and a file
     rewritten in place does not."""
-    fields = {k: v for k, v in cfg.fields_of(1).items()
-              if k != "encoder_cache" and (not corpus_only or k in CORPUS_FIELDS)}
+    fields = {k: v for k, v in cfg.fields_of(1).items() if k != "encoder_cache" and (not corpus_only or k in CORPUS_FIELDS)}
     corpus = file_sha256(corpus_path)
     h = hashlib.sha256()
     h.update(json.dumps([fingerprint, layer, corpus, fields, cfg.seed, CORPUS_VERSION], sort_keys=True).encode())

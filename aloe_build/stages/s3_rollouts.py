@@ -61,8 +61,9 @@ class TokenSequences:
     extra_along: list[bool] = field(default_factory=list)  # anchored along its target (else last prompt token)
     extra_chat: list[bool] = field(default_factory=list)  # the request asked through the chat template
 
-    def add(self, prompt: list[int], owner: int, soft: bool, along: bool, target: list[int] | None = None,
-            chat: bool = False) -> None:
+    def add(
+        self, prompt: list[int], owner: int, soft: bool, along: bool, target: list[int] | None = None, chat: bool = False
+    ) -> None:
         if along and self.extra_along and not self.extra_along[-1]:
             raise ValueError("extras anchored along a target must come before those anchored at the prompt")
         self.extra_chat.append(chat)
@@ -138,8 +139,9 @@ def chat_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple
     default system prompt and then after each of ``cfg.chat.chat_systems``; none without chat positives."""
     if not cfg.chat.positives_chat:
         return []
-    return [(i, chat_prompt(tokenizer, s.prompt, system)) for system in (None, *cfg.chat.chat_systems)
-            for i, s in enumerate(slots)]
+    return [
+        (i, chat_prompt(tokenizer, s.prompt, system)) for system in (None, *cfg.chat.chat_systems) for i, s in enumerate(slots)
+    ]
 
 
 #: Generation batches hold this many times ``batch_size`` prompts: a greedy step costs little more
@@ -147,9 +149,18 @@ def chat_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple
 GENERATION_BATCH_MULTIPLE = 4
 
 
-def continued(model, tokenizer, prompts: list[list[int]], tokens: int, layer: int, batch_size: int, desc: str,
-              parts: PartStore | None = None, name: str = "continuations", starts: Sequence[int] | None = None
-              ) -> tuple[list[list[int]], StateBatch]:
+def continued(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    tokens: int,
+    layer: int,
+    batch_size: int,
+    desc: str,
+    parts: PartStore | None = None,
+    name: str = "continuations",
+    starts: Sequence[int] | None = None,
+) -> tuple[list[list[int]], StateBatch]:
     """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
     cut before its first stop token (EOS or end of turn, :func:`~aloe_build.tokens.stop_ids`: a
     server stops there and never feeds it back), and the
@@ -159,21 +170,36 @@ def continued(model, tokenizer, prompts: list[list[int]], tokens: int, layer: in
     stops = stop_ids(tokenizer)
 
     def generate(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
-        gens, states = generate_with_states(model, prompts[lo:hi], max(tokens, 0), layer,
-                                            starts=None if starts is None else starts[lo:hi],
-                                            pad_id=pad_id(tokenizer), batch_size=batch_size * GENERATION_BATCH_MULTIPLE,
-                                            tick=tick)
+        gens, states = generate_with_states(
+            model,
+            prompts[lo:hi],
+            max(tokens, 0),
+            layer,
+            starts=None if starts is None else starts[lo:hi],
+            pad_id=pad_id(tokenizer),
+            batch_size=batch_size * GENERATION_BATCH_MULTIPLE,
+            tick=tick,
+        )
         kept = [g[: end_index(g, stops)] for g in gens]
         return kept, [st[: len(st) - (len(g) - len(k))] for st, g, k in zip(states, gens, kept)]
 
-    gens, got = chunked_tokens_and_states(parts, f"{name}-with-states", len(prompts), generate, desc,
-                                          locate_down_proj(model, layer).d)
+    gens, got = chunked_tokens_and_states(
+        parts, f"{name}-with-states", len(prompts), generate, desc, locate_down_proj(model, layer).d
+    )
     return [list(p) + g for p, g in zip(prompts, gens)], got
 
 
-def along_target_anchors(model, tokenizer, prompts: list[list[int]], targets: list[list[int]], layer: int, cap: int,
-                         keep_predicted: bool, batch_size: int, parts: PartStore | None = None
-                         ) -> tuple[list[list[int]], StateBatch]:
+def along_target_anchors(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    targets: list[list[int]],
+    layer: int,
+    cap: int,
+    keep_predicted: bool,
+    batch_size: int,
+    parts: PartStore | None = None,
+) -> tuple[list[list[int]], StateBatch]:
     """Anchor positions along each target, and their states: the last prompt token (it predicts the
     first target token), then each position predicting a further target token within ``cap``.
     Unless ``keep_predicted``, a further position is left out when the unedited model already
@@ -182,18 +208,30 @@ def along_target_anchors(model, tokenizer, prompts: list[list[int]], targets: li
     context shares. The states are taken in the pass that finds the predicted tokens."""
     spans = [list(range(len(p) - 1, len(p) - 1 + min(len(t), cap))) for p, t in zip(prompts, targets)]
     if keep_predicted or not prompts:
-        return spans, chunked_states(parts, "anchors", model, tokenizer, [p + t for p, t in zip(prompts, targets)],
-                                     layer, spans, "stage 3: anchor states")
+        return spans, chunked_states(
+            parts, "anchors", model, tokenizer, [p + t for p, t in zip(prompts, targets)], layer, spans, "stage 3: anchor states"
+        )
 
     def predicted(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
-        res = teacher_forced(model, [(p, t[:cap]) for p, t in zip(prompts[lo:hi], targets[lo:hi])],
-                             pad_id=pad_id(tokenizer), batch_size=batch_size, states_layer=layer, tick=tick)
+        res = teacher_forced(
+            model,
+            [(p, t[:cap]) for p, t in zip(prompts[lo:hi], targets[lo:hi])],
+            pad_id=pad_id(tokenizer),
+            batch_size=batch_size,
+            states_layer=layer,
+            tick=tick,
+        )
         kept = [[k for k, pr in enumerate(r.preds) if k == 0 or pr != t[k]] for r, t in zip(res, targets[lo:hi])]
         return kept, [r.states[k] for r, k in zip(res, kept)]
 
-    kept, states = chunked_tokens_and_states(parts, "predicted-with-states", len(prompts), predicted,
-                                             "stage 3: target tokens already predicted, and anchor states",
-                                             locate_down_proj(model, layer).d)
+    kept, states = chunked_tokens_and_states(
+        parts,
+        "predicted-with-states",
+        len(prompts),
+        predicted,
+        "stage 3: target tokens already predicted, and anchor states",
+        locate_down_proj(model, layer).d,
+    )
     return [[span[k] for k in ks] for span, ks in zip(spans, kept)], states
 
 
@@ -208,8 +246,11 @@ def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
 def shared_paraphrase_texts(corpus: Corpus, cfg: BuildConfig, edited_subjects: frozenset[str]) -> list[str]:
     """Other wordings of the first ``negatives_paraphrases`` corpus requests ("X is incredible at"),
     except those about an edited subject (a rewording of an edit's own fact is not its negative)."""
-    return list(dict.fromkeys(it.paraphrase for it in corpus.items[: cfg.experimental.negatives_paraphrases]
-                              if it.subject not in edited_subjects))
+    return list(
+        dict.fromkeys(
+            it.paraphrase for it in corpus.items[: cfg.experimental.negatives_paraphrases] if it.subject not in edited_subjects
+        )
+    )
 
 
 def shared_question_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
@@ -219,8 +260,12 @@ def shared_question_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
 
 def pool_prompt_prefixes(tokenizer, corpus: Corpus, cfg: BuildConfig) -> set[tuple[int, ...]]:
     """Every token prefix of the shared pool's prompts: their states are negatives of every slot."""
-    return {tuple(ids[: t + 1]) for text in shared_negative_texts(corpus, cfg) + shared_question_texts(corpus, cfg)
-            for ids in [encode_prompt(tokenizer, text)] for t in range(len(ids))}
+    return {
+        tuple(ids[: t + 1])
+        for text in shared_negative_texts(corpus, cfg) + shared_question_texts(corpus, cfg)
+        for ids in [encode_prompt(tokenizer, text)]
+        for t in range(len(ids))
+    }
 
 
 def _cached_states(file: Path, compute) -> torch.Tensor:
@@ -235,33 +280,48 @@ def _cached_states(file: Path, compute) -> torch.Tensor:
     return states
 
 
-def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig,
-                     edited_subjects: frozenset[str] = frozenset()) -> torch.Tensor:
+def shared_negatives(
+    model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig, edited_subjects: frozenset[str] = frozenset()
+) -> torch.Tensor:
     """States at every position of corpus prompts (requests, locality inputs, same-subject prompts,
     with ``negatives_paraphrases`` their rewordings) and generic questions, and of their greedy
     continuations: negatives for every edit. They depend only on the model, layer and corpus items
     (the rewordings also on which subjects are edited), so they are cached (see
     pipeline.negatives_cache_dir) and shared by every build. With chat positives, the chat-form pool
     (:func:`shared_chat_negatives`) is added."""
+
     def continued_states(texts: list[str], desc: str) -> torch.Tensor:
         prompts = [encode_prompt(tokenizer, t) for t in texts]
-        return continued(model, tokenizer, prompts, cfg.negative_continuation_tokens, layer, cfg.batch_size,
-                         desc, starts=[0] * len(prompts))[1].states
+        return continued(
+            model, tokenizer, prompts, cfg.negative_continuation_tokens, layer, cfg.batch_size, desc, starts=[0] * len(prompts)
+        )[1].states
 
     tokens = cfg.negative_continuation_tokens
-    pool = _cached_states(path / f"negatives-{cfg.negative_pool_records}-c{tokens}.safetensors",
-                          lambda: continued_states(shared_negative_texts(corpus, cfg),
-                                                   "stage 3: shared negatives and their continuations"))
+    pool = _cached_states(
+        path / f"negatives-{cfg.negative_pool_records}-c{tokens}.safetensors",
+        lambda: continued_states(shared_negative_texts(corpus, cfg), "stage 3: shared negatives and their continuations"),
+    )
     if cfg.experimental.negatives_paraphrases > 0:
         texts = shared_paraphrase_texts(corpus, cfg, edited_subjects)
         digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
-        reworded = _cached_states(path / f"negatives-paraphrases-{digest}-c{tokens}.safetensors",
-                                  lambda: continued_states(texts, "stage 3: corpus rewordings and their continuations"))
+        reworded = _cached_states(
+            path / f"negatives-paraphrases-{digest}-c{tokens}.safetensors",
+            lambda: continued_states(texts, "stage 3: corpus rewordings and their continuations"),
+        )
         pool = torch.cat([pool, reworded])
     if cfg.negatives_questions > 0:
         name = f"negatives-questions-{cfg.negatives_questions}-c{tokens}-v{QUESTIONS_VERSION}.safetensors"
-        pool = torch.cat([pool, _cached_states(path / name, lambda: continued_states(
-            shared_question_texts(corpus, cfg), "stage 3: generic questions and their continuations"))])
+        pool = torch.cat(
+            [
+                pool,
+                _cached_states(
+                    path / name,
+                    lambda: continued_states(
+                        shared_question_texts(corpus, cfg), "stage 3: generic questions and their continuations"
+                    ),
+                ),
+            ]
+        )
     if cfg.chat.positives_chat and cfg.chat.negatives_chat_pool > 0:
         pool = torch.cat([pool, shared_chat_negatives(model, tokenizer, layer, path, corpus, cfg)])
     return pool
@@ -271,8 +331,7 @@ def shared_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, c
 QUESTIONS_PER_GENERIC_SYSTEM = 4
 
 
-def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig
-                          ) -> torch.Tensor:
+def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
     """The requests and locality prompts of the first ``negatives_chat_pool`` corpus records asked
     through the chat template, then ``negatives_chat_questions`` generic questions, with the
     unedited model's answers: states at every position after the template's shared header (that
@@ -294,12 +353,22 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
         first = {s: asked_after.index(s) for s in heads if s in asked_after}
         starts = [0 if first[s] == k else heads[s] for k, s in enumerate(asked_after)]
         prompts = [chat_prompt(tokenizer, t, s) for t, s in zip(texts, asked_after)]
-        return continued(model, tokenizer, prompts, cfg.chat.negatives_chat_answer_tokens, layer, cfg.batch_size,
-                         "stage 3: chat negatives and their answers", starts=starts)[1].states
+        return continued(
+            model,
+            tokenizer,
+            prompts,
+            cfg.chat.negatives_chat_answer_tokens,
+            layer,
+            cfg.batch_size,
+            "stage 3: chat negatives and their answers",
+            starts=starts,
+        )[1].states
 
     questions = f"-q{cfg.chat.negatives_chat_questions}v{QUESTIONS_VERSION}" if cfg.chat.negatives_chat_questions > 0 else ""
-    name = (f"negatives-chat-{cfg.chat.negatives_chat_pool}-c{cfg.chat.negatives_chat_answer_tokens}-s{len(generic)}{questions}-"
-            f"{chat_template_key(tokenizer, (*cfg.chat.chat_systems, *generic))}")
+    name = (
+        f"negatives-chat-{cfg.chat.negatives_chat_pool}-c{cfg.chat.negatives_chat_answer_tokens}-s{len(generic)}{questions}-"
+        f"{chat_template_key(tokenizer, (*cfg.chat.chat_systems, *generic))}"
+    )
     return _cached_states(path / f"{name}.safetensors", compute)
 
 
@@ -308,8 +377,8 @@ def not_anchors(states: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) 
     request must not become that edit's negative."""
     keep = torch.ones(states.shape[0], dtype=torch.bool)
     for start in range(0, states.shape[0], chunk):
-        sim = states[start: start + chunk] @ anchors.T
-        keep[start: start + chunk] = sim.max(1).values < 0.9999 if anchors.shape[0] else True
+        sim = states[start : start + chunk] @ anchors.T
+        keep[start : start + chunk] = sim.max(1).values < 0.9999 if anchors.shape[0] else True
     return keep
 
 
@@ -325,8 +394,7 @@ class _Stream:
         self.swap_words = relation_words(self.templates + list(corpus.group_of_template))
 
 
-def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildConfig, rng: random.Random
-                         ) -> list[list[str]]:
+def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildConfig, rng: random.Random) -> list[list[str]]:
     """The prompts made for one edit whose states (every position) are negatives of its slot, one
     list per kind: other relations of its subject, its template with other corpus subjects, the
     stream's other templates with its subject, its template with other stream subjects, word swaps,
@@ -337,22 +405,24 @@ def _edit_negative_texts(s: Slot, corpus: Corpus, stream: _Stream, cfg: BuildCon
     kinds.append(corpus.other_subject_prompts(template, s.subject, cfg.negatives_same_relation, rng) if template else [])
     picked: list[str] = []
     if s.subject and cfg.negatives_stream_templates > 0:
-        others = [t for t in stream.templates if t != template
-                  and not (s.relation and stream.relation_of[t] == s.relation)]
-        picked = [t.replace("{}", s.subject)
-                  for t in stream.rng.sample(others, min(cfg.negatives_stream_templates, len(others)))]
+        others = [t for t in stream.templates if t != template and not (s.relation and stream.relation_of[t] == s.relation)]
+        picked = [t.replace("{}", s.subject) for t in stream.rng.sample(others, min(cfg.negatives_stream_templates, len(others)))]
     kinds.append(picked)
     other_subjects = [x for x in stream.subjects if x != s.subject]
     picked = []
     if template and cfg.negatives_stream_subjects > 0:
-        picked = [template.replace("{}", x)
-                  for x in stream.rng.sample(other_subjects, min(cfg.negatives_stream_subjects, len(other_subjects)))]
+        picked = [
+            template.replace("{}", x)
+            for x in stream.rng.sample(other_subjects, min(cfg.negatives_stream_subjects, len(other_subjects)))
+        ]
     kinds.append(picked)
     picked = []
     if template and cfg.negatives_word_swaps > 0:
         swapped = word_swapped_templates(template, stream.swap_words, cfg.negatives_word_swaps, stream.rng)
-        picked = [t.replace("{}", s.subject if j % 2 == 0 or not other_subjects
-                            else stream.rng.choice(other_subjects)) for j, t in enumerate(swapped)]
+        picked = [
+            t.replace("{}", s.subject if j % 2 == 0 or not other_subjects else stream.rng.choice(other_subjects))
+            for j, t in enumerate(swapped)
+        ]
     kinds.append(picked)
     kinds.append(exclusion_prompts(s.prompt, s.target, cfg.negatives_exclusions))
     return kinds
@@ -367,8 +437,9 @@ def in_turn(kinds: Sequence[Sequence[str]], n: int) -> list[str]:
     return out[:n]
 
 
-def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cfg: BuildConfig,
-                            rng: random.Random) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def edit_negative_sequences(
+    tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cfg: BuildConfig, rng: random.Random
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """The token sequences made for each edit, the positions of each whose states are negatives,
     and the slot each belongs to.
 
@@ -406,9 +477,17 @@ def edit_negative_sequences(tokenizer, slots: Sequence[Slot], seqs: TokenSequenc
     return spec_seqs, spec_pos, spec_owner
 
 
-def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, layer: int,
-                   cfg: BuildConfig, rng: random.Random, parts: PartStore | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def edit_negatives(
+    model,
+    tokenizer,
+    slots: Sequence[Slot],
+    seqs: TokenSequences,
+    corpus: Corpus,
+    layer: int,
+    cfg: BuildConfig,
+    rng: random.Random,
+    parts: PartStore | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """States of the prompts made for each edit and the slot each belongs to."""
     spec_seqs, spec_pos, spec_owner = edit_negative_sequences(tokenizer, slots, seqs, corpus, cfg, rng)
     spec = chunked_states(parts, "edit_negatives", model, tokenizer, spec_seqs, layer, spec_pos, "stage 3: edit negatives")
@@ -416,49 +495,112 @@ def edit_negatives(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences
     return spec.states, owner
 
 
-def answer_states(model, tokenizer, prompts: list[list[int]], owner: list[int], layer: int, tokens: int,
-                  batch_size: int, parts: PartStore | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_states(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    owner: list[int],
+    layer: int,
+    tokens: int,
+    batch_size: int,
+    parts: PartStore | None,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """States along the unedited model's greedy continuation (up to ``tokens``) of each prompt, and
     the slot each continuation belongs to (``owner`` of its prompt); ``name`` keys the saved chunks."""
-    _, got = continued(model, tokenizer, prompts, tokens, layer, batch_size, f"stage 3: {name} of requests and their states",
-                       parts, name)
+    _, got = continued(
+        model, tokenizer, prompts, tokens, layer, batch_size, f"stage 3: {name} of requests and their states", parts, name
+    )
     return got.states, torch.tensor(owner, dtype=torch.long)[got.owner()]
 
 
-def rollouts(model, tokenizer, slots: Sequence[Slot], seqs: TokenSequences, corpus: Corpus, cache_dir: Path,
-             layer: int, cfg: BuildConfig, rng: random.Random, parts: PartStore | None = None
-             ) -> tuple[dict[str, torch.Tensor], dict]:
+def rollouts(
+    model,
+    tokenizer,
+    slots: Sequence[Slot],
+    seqs: TokenSequences,
+    corpus: Corpus,
+    cache_dir: Path,
+    layer: int,
+    cfg: BuildConfig,
+    rng: random.Random,
+    parts: PartStore | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Stage 3: anchors H+ (with their slot and sequence) and negatives H-; returns the tensors
     and the stage's report. With ``parts`` every long pass saves its chunks there as they finish."""
     # along the target for requests, rewordings and chat forms; the prefixed requests only at their last
     # prompt token (the positions along the target are the request's own target text)
     r = seqs.along
-    _, along = along_target_anchors(model, tokenizer, seqs.prompts + seqs.extra_prompts[:r],
-                                    seqs.targets + seqs.extra_targets[:r], layer, cfg.max_target_tokens,
-                                    cfg.experimental.anchor_predicted_targets, cfg.batch_size, parts)
-    last = chunked_states(parts, "prefixed_anchors", model, tokenizer, seqs.extra_prompts[r:], layer,
-                          [[len(p) - 1] for p in seqs.extra_prompts[r:]], "stage 3: prefixed anchor states")
-    anchors = StateBatch(torch.cat([along.states, last.states]),
-                         torch.cat([along.offsets, along.offsets[-1] + last.offsets[1:]]))
+    _, along = along_target_anchors(
+        model,
+        tokenizer,
+        seqs.prompts + seqs.extra_prompts[:r],
+        seqs.targets + seqs.extra_targets[:r],
+        layer,
+        cfg.max_target_tokens,
+        cfg.experimental.anchor_predicted_targets,
+        cfg.batch_size,
+        parts,
+    )
+    last = chunked_states(
+        parts,
+        "prefixed_anchors",
+        model,
+        tokenizer,
+        seqs.extra_prompts[r:],
+        layer,
+        [[len(p) - 1] for p in seqs.extra_prompts[r:]],
+        "stage 3: prefixed anchor states",
+    )
+    anchors = StateBatch(torch.cat([along.states, last.states]), torch.cat([along.offsets, along.offsets[-1] + last.offsets[1:]]))
     pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg, frozenset(s.subject for s in slots))
     pool = pool[not_anchors(pool, anchors.states)]
     # what the unedited model writes after each request, and answers to its chat forms: negatives
     # of every other slot
     with in_precision(model, cfg.negatives_dtype):
-        cont, cont_owner = answer_states(model, tokenizer, seqs.prompts, list(range(len(slots))), layer,
-                                         cfg.negative_continuation_tokens, cfg.batch_size, parts, "continuations")
+        cont, cont_owner = answer_states(
+            model,
+            tokenizer,
+            seqs.prompts,
+            list(range(len(slots))),
+            layer,
+            cfg.negative_continuation_tokens,
+            cfg.batch_size,
+            parts,
+            "continuations",
+        )
         chat = chat_forms(tokenizer, slots, cfg)
-        chat_cont, chat_owner = answer_states(model, tokenizer, [ids for _, ids in chat], [i for i, _ in chat], layer,
-                                              cfg.chat.negatives_chat_answer_tokens, cfg.batch_size, parts, "chat_answers")
+        chat_cont, chat_owner = answer_states(
+            model,
+            tokenizer,
+            [ids for _, ids in chat],
+            [i for i, _ in chat],
+            layer,
+            cfg.chat.negatives_chat_answer_tokens,
+            cfg.batch_size,
+            parts,
+            "chat_answers",
+        )
         specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng, parts)
     keep = not_anchors(cont, anchors.states)
     chat_keep = not_anchors(chat_cont, anchors.states)
-    info = {"anchors": int(anchors.states.shape[0]), "shared_negatives": int(pool.shape[0]),
-            "edit_negatives": int(specific.shape[0]), "continuation_negatives": int(keep.sum()),
-            "chat_answer_negatives": int(chat_keep.sum()),
-            "paraphrase_positives": len(seqs.extra_prompts), "slots_with_paraphrases": len(set(seqs.extra_owner))}
-    tensors = {"anchors": anchors.states, "anchor_owner": seqs.seq_owner[anchors.owner()],
-               "anchor_seq": anchors.owner(), "pool": pool, "specific": specific, "specific_owner": specific_owner,
-               "continuations": torch.cat([cont[keep], chat_cont[chat_keep]]),
-               "continuation_owner": torch.cat([cont_owner[keep], chat_owner[chat_keep]])}
+    info = {
+        "anchors": int(anchors.states.shape[0]),
+        "shared_negatives": int(pool.shape[0]),
+        "edit_negatives": int(specific.shape[0]),
+        "continuation_negatives": int(keep.sum()),
+        "chat_answer_negatives": int(chat_keep.sum()),
+        "paraphrase_positives": len(seqs.extra_prompts),
+        "slots_with_paraphrases": len(set(seqs.extra_owner)),
+    }
+    tensors = {
+        "anchors": anchors.states,
+        "anchor_owner": seqs.seq_owner[anchors.owner()],
+        "anchor_seq": anchors.owner(),
+        "pool": pool,
+        "specific": specific,
+        "specific_owner": specific_owner,
+        "continuations": torch.cat([cont[keep], chat_cont[chat_keep]]),
+        "continuation_owner": torch.cat([cont_owner[keep], chat_owner[chat_keep]]),
+    }
     return tensors, info

@@ -66,21 +66,31 @@ def refine_addresses(
         return _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress", stats)
 
     def pulled_run() -> dict[str, torch.Tensor]:
-        V, _ = _refine(V0, cfg.experimental.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts,
-                       "progress-pulled")
+        V, _ = _refine(
+            V0, cfg.experimental.refine_pull, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress-pulled"
+        )
         return {"V": V.cpu()}
 
     # the pulled run first, kept whole once done, so that an interruption of the free run loses neither
     V = (parts.cached("pulled", pulled_run)[0] if parts is not None else pulled_run())["V"].to(V0.device)
-    free, losses = _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress",
-                           stats)
+    free, losses = _refine(V0, 0.0, anchors, anchor_owner, negatives, same_prompt, cfg, soft, parts, "progress", stats)
     keep = min_anchor_scores(V, anchors[~soft], anchor_owner[~soft]) > negatives.worst(V, same_prompt)
     return torch.where(keep[:, None], V, free), losses
 
 
-def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: torch.Tensor,
-            negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig, soft: torch.Tensor,
-            parts: PartStore | None, progress: str, stats: dict | None = None) -> tuple[torch.Tensor, list[float]]:
+def _refine(
+    V0: torch.Tensor,
+    pull: float,
+    anchors: torch.Tensor,
+    anchor_owner: torch.Tensor,
+    negatives: NegativeSet,
+    same_prompt: torch.Tensor,
+    cfg: BuildConfig,
+    soft: torch.Tensor,
+    parts: PartStore | None,
+    progress: str,
+    stats: dict | None = None,
+) -> tuple[torch.Tensor, list[float]]:
     """One run of :func:`refine_addresses`' steps from ``V0``, each step moving the addresses
     ``refine_lr * pull`` of the way back to it; its state saved as ``progress`` in ``parts``."""
     n = V0.shape[0]
@@ -129,8 +139,9 @@ def _refine(V0: torch.Tensor, pull: float, anchors: torch.Tensor, anchor_owner: 
             # once it does against its hardest ones now (the mining is exact), else go on from them
             if not remine:
                 hard_h = mining.hardest(V)
-            check = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, torch.ones(n, dtype=torch.bool,
-                                device=V.device), False)
+            check = _HingeTerms(
+                anchors, anchor_owner, soft, hard_h, margin, torch.ones(n, dtype=torch.bool, device=V.device), False
+            )
             if float(check.loss(V.detach(), 0.0)) == 0.0:
                 converged = True
                 break
@@ -156,12 +167,15 @@ def _check_settings(cfg: BuildConfig) -> None:
     if not 0.0 <= cfg.refine_lr * cfg.experimental.refine_pull < 1.0:
         raise ValueError(f"refine_lr * refine_pull must be in [0, 1), got {cfg.refine_lr * cfg.experimental.refine_pull}")
     if cfg.refine_candidates < 0 or cfg.refine_hard_negatives < 1:
-        raise ValueError("refine_candidates must be >= 0 and refine_hard_negatives >= 1, got "
-                         f"{cfg.refine_candidates} and {cfg.refine_hard_negatives}")
+        raise ValueError(
+            "refine_candidates must be >= 0 and refine_hard_negatives >= 1, got "
+            f"{cfg.refine_candidates} and {cfg.refine_hard_negatives}"
+        )
 
 
-def _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now: bool, V: torch.Tensor,
-                opt: torch.optim.Optimizer, cfg: BuildConfig) -> "_HingeTerms":
+def _step_terms(
+    anchors, anchor_owner, soft, hard_h, margin, soft_now: bool, V: torch.Tensor, opt: torch.optim.Optimizer, cfg: BuildConfig
+) -> "_HingeTerms":
     """The loss terms of the next steps: every slot, or with ``refine_active_every`` the slots still
     violating (the others' Adam momentum zeroed, so that they stay where they are)."""
     everything = torch.ones(V.shape[0], dtype=torch.bool, device=V.device)
@@ -209,8 +223,7 @@ class _Mining:
         if self.candidates is None:
             n = V.shape[0]
             self.candidates = torch.full((n, self.width), -1, dtype=torch.long, device=V.device)
-            self.mined_at, self.floor = torch.zeros_like(V), torch.full((n,), -math.inf, dtype=V.dtype,
-                                                                          device=V.device)
+            self.mined_at, self.floor = torch.zeros_like(V), torch.full((n,), -math.inf, dtype=V.dtype, device=V.device)
             self._mine_in_full(V, torch.arange(n, device=V.device))
         scores, states = self.negatives.top(V, self.same_prompt, self.k, candidates=self.candidates)
         with torch.no_grad():
@@ -234,31 +247,47 @@ class _Mining:
         """What :meth:`restore` needs to go on exactly where this mining is."""
         if self.candidates is None:
             return {}
-        return {"candidates": self.candidates, "mined_at": self.mined_at, "floor": self.floor,
-                "full_minings": torch.tensor(self.full_minings)}
+        return {
+            "candidates": self.candidates,
+            "mined_at": self.mined_at,
+            "floor": self.floor,
+            "full_minings": torch.tensor(self.full_minings),
+        }
 
     def restore(self, saved: dict[str, torch.Tensor], device: torch.device) -> None:
         if "mined_at" in saved:  # saved by a run that kept the bound's state
-            self.candidates, self.mined_at, self.floor = (saved[k].to(device) for k in ("candidates", "mined_at",
-                                                                                      "floor"))
+            self.candidates, self.mined_at, self.floor = (saved[k].to(device) for k in ("candidates", "mined_at", "floor"))
             self.full_minings = int(saved["full_minings"])
 
 
-def _save_progress(parts: PartStore | None, name: str, step: int, V: torch.Tensor, opt: torch.optim.Optimizer,
-                   mining: _Mining, losses: list[float], at_remine: float | None) -> None:
+def _save_progress(
+    parts: PartStore | None,
+    name: str,
+    step: int,
+    V: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    mining: _Mining,
+    losses: list[float],
+    at_remine: float | None,
+) -> None:
     """The refinement's state at the start of ``step`` (a re-mining step), saved as ``name``."""
     if parts is None:
         return
     state = opt.state.get(V, {})
-    tensors = {"step": torch.tensor(step), "V": V.detach(), "losses": torch.tensor(losses, dtype=torch.float64),
-               "at_remine": torch.tensor(math.nan if at_remine is None else at_remine, dtype=torch.float64)}
+    tensors = {
+        "step": torch.tensor(step),
+        "V": V.detach(),
+        "losses": torch.tensor(losses, dtype=torch.float64),
+        "at_remine": torch.tensor(math.nan if at_remine is None else at_remine, dtype=torch.float64),
+    }
     tensors.update({f"adam_{name}": torch.as_tensor(value) for name, value in state.items()})
     tensors.update(mining.state())
     parts.put(name, {key: t.cpu() for key, t in tensors.items()})
 
 
-def _resume(parts: PartStore | None, name: str, V: torch.Tensor, opt: torch.optim.Optimizer, mining: _Mining,
-            losses: list[float]) -> tuple[int, float | None]:
+def _resume(
+    parts: PartStore | None, name: str, V: torch.Tensor, opt: torch.optim.Optimizer, mining: _Mining, losses: list[float]
+) -> tuple[int, float | None]:
     """Restore the state saved by :func:`_save_progress` as ``name``; returns the step to go on from
     (0: none) and the loss at the last re-mining."""
     saved = parts.get(name) if parts is not None else None
@@ -267,7 +296,7 @@ def _resume(parts: PartStore | None, name: str, V: torch.Tensor, opt: torch.opti
     with torch.no_grad():
         V.copy_(saved["V"].to(V.device))
     # the fused optimizer keeps its step count on the parameter's device too
-    state = {name[len("adam_"):]: t.to(V.device) for name, t in saved.items() if name.startswith("adam_")}
+    state = {name[len("adam_") :]: t.to(V.device) for name, t in saved.items() if name.startswith("adam_")}
     if state:
         opt.state[V] = state
     mining.restore(saved, V.device)

@@ -69,15 +69,12 @@ def calibrate(
     anchor_s = torch.einsum("ad,ad->a", anchors, V[anchor_owner])
     opened, s_open, below = _open_past_negatives(anchor_s, anchor_owner, hard_s, norms, separable)
     if opened.numel():
-        t, a, _ = _closed_form(s_open, below, norms[opened], gate_eps, cfg,
-                               None if open_at is None else open_at[opened.cpu()])
+        t, a, _ = _closed_form(s_open, below, norms[opened], gate_eps, cfg, None if open_at is None else open_at[opened.cpu()])
         tau[opened], alpha[opened] = t, a
     bad = (~separable).nonzero().squeeze(1)
     bad = bad[~torch.isin(bad, opened)]
     if bad.numel():
-        tau_b, alpha_b = _fit_inseparable(
-            V[bad], anchors, anchor_owner, bad, hard_h[bad], tau[bad], alpha[bad], cfg
-        )
+        tau_b, alpha_b = _fit_inseparable(V[bad], anchors, anchor_owner, bad, hard_h[bad], tau[bad], alpha[bad], cfg)
         # Locality first: whatever the fit, the dead zone must still cover every negative but
         # the mined hardest ones, or a slot whose anchors sit among generic states would open
         # on everything.
@@ -86,9 +83,9 @@ def calibrate(
     return Calibration(tau, alpha, separable, s_pos, s_neg)
 
 
-def _open_past_negatives(anchor_s: torch.Tensor, anchor_owner: torch.Tensor, hard_s: torch.Tensor,
-                         norms: torch.Tensor, separable: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _open_past_negatives(
+    anchor_s: torch.Tensor, anchor_owner: torch.Tensor, hard_s: torch.Tensor, norms: torch.Tensor, separable: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inseparable slots that can still open on their anchors at the cost of fewer than k
     negatives: those with an anchor scoring above their k-th hardest negative (``hard_s``, (n, k),
     best first; ``anchor_s``: each anchor's score at its own slot). Returns the slots, each one's
@@ -105,7 +102,8 @@ def _open_past_negatives(anchor_s: torch.Tensor, anchor_owner: torch.Tensor, har
     n, k = hard_s.shape
     clear = anchor_s > hard_s[anchor_owner, -1]
     s_open = torch.full((n,), math.inf, dtype=hard_s.dtype, device=hard_s.device).scatter_reduce(
-        0, anchor_owner[clear], anchor_s[clear].to(hard_s.dtype), reduce="amin")
+        0, anchor_owner[clear], anchor_s[clear].to(hard_s.dtype), reduce="amin"
+    )
     above = (hard_s >= s_open[:, None]).sum(1).clamp_max(k - 1)  # the hardest negatives at or above it
     below = hard_s.gather(1, above[:, None]).squeeze(1)
     ok = ~separable & torch.isfinite(s_open) & torch.isfinite(below) & (s_open > below)
@@ -115,8 +113,14 @@ def _open_past_negatives(anchor_s: torch.Tensor, anchor_owner: torch.Tensor, har
     return rows, s_open[rows], torch.minimum(below[rows], s_open[rows] - 1e-3 * norms[rows])
 
 
-def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, gate_eps: float, cfg: BuildConfig,
-                 open_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _closed_form(
+    s_pos: torch.Tensor,
+    s_neg: torch.Tensor,
+    norms: torch.Tensor,
+    gate_eps: float,
+    cfg: BuildConfig,
+    open_at: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thresholds, temperatures and separability from each slot's worst anchor and worst negative
     scores; an inseparable slot gets the midpoint at ``inseparable_temperature``. ``open_at``: each
     slot's ``calibration_open_at`` (default: the configured one for all)."""
@@ -134,9 +138,18 @@ def _closed_form(s_pos: torch.Tensor, s_neg: torch.Tensor, norms: torch.Tensor, 
     return tau, alpha, separable
 
 
-def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: torch.Tensor, s_neg: torch.Tensor,
-                states: Sequence[torch.Tensor], gate_eps: float, cfg: BuildConfig, chunk: int = 8192,
-                open_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def recalibrate(
+    V: torch.Tensor,
+    tau: torch.Tensor,
+    alpha: torch.Tensor,
+    s_pos: torch.Tensor,
+    s_neg: torch.Tensor,
+    states: Sequence[torch.Tensor],
+    gate_eps: float,
+    cfg: BuildConfig,
+    chunk: int = 8192,
+    open_at: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 5 again for the slots that would open on new negative ``states`` (an append's anchors
     and negatives). Only the new states a slot can separate from its own anchors count, those
     scoring below its worst positive: the highest of them becomes the slot's worst negative and the
@@ -155,15 +168,16 @@ def recalibrate(V: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor, s_pos: 
     with torch.no_grad():
         for part in states:
             for start in range(0, part.shape[0], chunk):
-                s = part[start: start + chunk].to(V) @ V.T
+                s = part[start : start + chunk].to(V) @ V.T
                 best = torch.maximum(best, s.masked_fill(s >= s_pos[None, :], -math.inf).amax(0))
     changed = (best > floor).nonzero().squeeze(1)
     tau, alpha, s_neg = tau.clone(), alpha.clone(), s_neg.clone()
     if changed.numel():
         s_neg[changed] = torch.maximum(s_neg[changed], best[changed])
         norms = V[changed].norm(dim=1).clamp_min(1e-12)
-        t, a, sep = _closed_form(s_pos[changed], s_neg[changed], norms, gate_eps, cfg,
-                                 None if open_at is None else open_at[changed.cpu()])
+        t, a, sep = _closed_form(
+            s_pos[changed], s_neg[changed], norms, gate_eps, cfg, None if open_at is None else open_at[changed.cpu()]
+        )
         a = torch.where(sep, a, alpha[changed])
         # the margin of calibration_negative_slack logits below the dead-zone edge, as for any negative
         t = torch.where(sep, t, best[changed] - (_logit(gate_eps) - cfg.calibration_negative_slack) / a)

@@ -20,9 +20,13 @@ from ..config import BuildConfig
 from ..edited_forward import EditedForward
 
 
-def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None = None,
-                  rows_of: Sequence[Sequence[int]] | None = None, stats: dict | None = None
-                  ) -> tuple[torch.Tensor, list[float], float]:
+def write_targets(
+    fwd: EditedForward,
+    cfg: BuildConfig,
+    parts: PartStore | None = None,
+    rows_of: Sequence[Sequence[int]] | None = None,
+    stats: dict | None = None,
+) -> tuple[torch.Tensor, list[float], float]:
     """Stage 6: for slot i, delta_i (d_out) minimising the target NLL of its sequences with out += g_i(h) delta_i.
 
     ``rows_of[i]`` lists the sequences of ``fwd`` that slot i's delta is fitted on (default: its
@@ -70,8 +74,11 @@ def write_targets(fwd: EditedForward, cfg: BuildConfig, parts: PartStore | None 
     if stats is not None:
         stats["unproduced_slots"] = [i for i, made in enumerate(produced) if not made]
         if steps:
-            stats.update(steps_mean=sum(steps) / len(steps), steps_max=max(steps),
-                         batches_past_target_steps=sum(k > cfg.target_steps for k in steps))
+            stats.update(
+                steps_mean=sum(steps) / len(steps),
+                steps_max=max(steps),
+                batches_past_target_steps=sum(k > cfg.target_steps for k in steps),
+            )
     return deltas, final_losses, sum(produced) / max(n, 1)
 
 
@@ -81,11 +88,12 @@ def target_batches(fwd: EditedForward, rows_of: Sequence[Sequence[int]], size: i
     theirs: ordered by whole length, one sequence whose gates open early widens its batch, and
     the more slots an operator has, the more batches hold one. Each slot's delta has its own loss
     and its own Adam moments, so the grouping does not change what is fitted."""
+
     def cost(i: int) -> tuple[int, int]:
         return (max(fwd.upper_positions(r) for r in rows_of[i]), max(len(fwd.seqs[r]) for r in rows_of[i]))
 
     order = sorted(range(len(rows_of)), key=cost)
-    return [order[start: start + size] for start in range(0, len(order), size)]
+    return [order[start : start + size] for start in range(0, len(order), size)]
 
 
 def _target_batch(fwd: EditedForward, rows_of: list[list[int]], cfg: BuildConfig) -> dict[str, torch.Tensor]:

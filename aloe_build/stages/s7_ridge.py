@@ -21,7 +21,7 @@ def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch
     V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
     out = []
     for start in range(0, states.shape[0], chunk):
-        s = states[start: start + chunk].float() @ V.T
+        s = states[start : start + chunk].float() @ V.T
         out.append(gates_from_scores(s, tau, alpha, op.gate_eps))
     return torch.cat(out) if out else torch.zeros(0, op.n)
 
@@ -40,8 +40,7 @@ class NegativeGateTally:
         self.max_gate = max(self.max_gate, float(gates.values.max()) if gates.values.numel() else 0.0)
 
     def summary(self) -> dict[str, float]:
-        return {"negative_any_open_share": self.any_open / self.rows if self.rows else 0.0,
-                "negative_max_gate": self.max_gate}
+        return {"negative_any_open_share": self.any_open / self.rows if self.rows else 0.0, "negative_max_gate": self.max_gate}
 
 
 def ridge_writes(
@@ -66,7 +65,7 @@ def ridge_writes(
     targets = deltas.double()
     lo = 0
     for Gp in open_gates(anchors, op):
-        owner = anchor_owner[lo: lo + Gp.n_rows]
+        owner = anchor_owner[lo : lo + Gp.n_rows]
         lo += Gp.n_rows
         Y = Gp.at(owner).double()[:, None] * targets[owner]  # (piece, d_out)
         S = Gp.sparse(op.n)

@@ -37,8 +37,7 @@ def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) 
     with fwd.frozen():
         for step in bar:
             if cfg.finetune_rescore_every > 0 and step % cfg.finetune_rescore_every == 0:
-                order = [i for i, ok in zip(everything, produced_rows(fwd, U.detach(), everything, cfg.finetune_batch))
-                         if not ok]
+                order = [i for i, ok in zip(everything, produced_rows(fwd, U.detach(), everything, cfg.finetune_batch)) if not ok]
                 if not order:
                     break  # every target is produced
                 rng.shuffle(order)
@@ -46,7 +45,7 @@ def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) 
             if pos + cfg.finetune_batch > len(order) and pos > 0:
                 rng.shuffle(order)
                 pos = 0
-            rows = order[pos: pos + cfg.finetune_batch]
+            rows = order[pos : pos + cfg.finetune_batch]
             pos += len(rows)
             slots, G = fwd.all_gates(rows)  # every slot open anywhere in the batch, not only the batch's own
             loss = fwd.nll(rows, G @ U[slots]).mean()
@@ -67,7 +66,7 @@ def produced_rows(fwd: EditedForward, U: torch.Tensor, rows: Sequence[int], batc
     U = U.to(fwd.device, torch.float32)
     with torch.no_grad():
         for start in range(0, len(rows), batch):
-            part = list(rows[start: start + batch])
+            part = list(rows[start : start + batch])
             slots, G = fwd.all_gates(part)
             out += fwd.scored(part, G @ U[slots])[1].tolist()
     return out

@@ -135,9 +135,18 @@ class GraceDownProj(nn.Module):
 class GraceEditor(Editor):
     """A fitted GRACE codebook for one layer; attach/detach patch the down-projection."""
 
-    def __init__(self, layer: int, keys: torch.Tensor, eps: torch.Tensor, values: torch.Tensor,
-                 edit_slots: list[int], edit_ids: list[str], labels: list[str], info: dict[str, Any],
-                 name: str = NAME):
+    def __init__(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        eps: torch.Tensor,
+        values: torch.Tensor,
+        edit_slots: list[int],
+        edit_ids: list[str],
+        labels: list[str],
+        info: dict[str, Any],
+        name: str = NAME,
+    ):
         self.name = name
         self.layer = layer
         self.keys, self.eps, self.values = keys, eps, values
@@ -190,8 +199,9 @@ class GraceEditor(Editor):
         return dict(self._info)
 
 
-def _down_proj_inputs(model, tokenizer, prompts_ids: list[tuple[int, ...]], layer: int, batch_size: int,
-                      progress: bool) -> torch.Tensor:
+def _down_proj_inputs(
+    model, tokenizer, prompts_ids: list[tuple[int, ...]], layer: int, batch_size: int, progress: bool
+) -> torch.Tensor:
     site = locate_down_proj(model, layer)
     pad_id = tokenizer_pad_id(tokenizer)
     device = model_device(model)
@@ -262,8 +272,16 @@ def _codebook(keys: torch.Tensor, labels: list[str], cfg: GraceConfig):
     return K, torch.tensor(eps, dtype=torch.float32), slots, ent_labels, stats
 
 
-def fit_grace(model: nn.Module, tokenizer, requests: Sequence[Any], layer: int, config: GraceConfig | None = None,
-              *, batch_size: int = 16, progress: bool = True) -> GraceEditor:
+def fit_grace(
+    model: nn.Module,
+    tokenizer,
+    requests: Sequence[Any],
+    layer: int,
+    config: GraceConfig | None = None,
+    *,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> GraceEditor:
     """Fit a GRACE codebook for ``requests`` at ``layer`` of ``model`` (left unpatched on return)."""
     cfg = config or GraceConfig()
     t0 = time.perf_counter()
@@ -295,8 +313,7 @@ def fit_grace(model: nn.Module, tokenizer, requests: Sequence[Any], layer: int, 
     bar = progress_bar(len(order), "GRACE: values", progress)
     try:
         for batch in batches(order, batch_size):
-            it, nll = _train_batch(model, wrapper, [enc[i] for i in batch], [slots[i] for i in batch], cfg, pad_id,
-                                   device)
+            it, nll = _train_batch(model, wrapper, [enc[i] for i in batch], [slots[i] for i in batch], cfg, pad_id, device)
             iters_used.append(it)
             final_nll.extend(nll)
             bar.update(len(batch))
@@ -320,8 +337,11 @@ def fit_grace(model: nn.Module, tokenizer, requests: Sequence[Any], layer: int, 
         "eps": {"min": float(eps.min()), "median": float(eps.median()), "max": float(eps.max())},
         "key_norm_median": float(K.norm(dim=1).median()),
         "nearest_key_distance_median": nn_dist,
-        "train_iters": {"batches": len(iters_used), "mean": sum(iters_used) / max(1, len(iters_used)),
-                        "max": max(iters_used) if iters_used else 0},
+        "train_iters": {
+            "batches": len(iters_used),
+            "mean": sum(iters_used) / max(1, len(iters_used)),
+            "max": max(iters_used) if iters_used else 0,
+        },
         "train_final_nll": {"mean": sum(final_nll) / max(1, len(final_nll)), "max": max(final_nll, default=0.0)},
         "fit_s": time.perf_counter() - t0,
     }
@@ -345,8 +365,9 @@ def _layout(enc, pad_id: int, device, model):
         S = max(len(x) for x in suffix)
         pre_ids, pre_mask, pre_pos = left_pad(prefix, pad_id, device)
         with torch.no_grad():
-            cache = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, use_cache=True,
-                          logits_to_keep=1).past_key_values
+            cache = model(
+                input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, use_cache=True, logits_to_keep=1
+            ).past_key_values
         ids = torch.full((B, S), pad_id, dtype=torch.long)
         smask = torch.zeros((B, S), dtype=torch.long)
         labels = torch.full((B, S), -100, dtype=torch.long)
@@ -367,12 +388,11 @@ def _layout(enc, pad_id: int, device, model):
     for b, (_, c) in enumerate(enc):
         k = len(c)
         key_pos[b] = T - 1 - k
-        labels[b, T - 1 - k: T - 1] = torch.tensor(c, device=device)
+        labels[b, T - 1 - k : T - 1] = torch.tensor(c, device=device)
     return ids, mask, pos, labels, key_pos, None
 
 
-def _train_batch(model, wrapper: GraceDownProj, enc, slots, cfg: GraceConfig, pad_id: int,
-                 device) -> tuple[int, list[float]]:
+def _train_batch(model, wrapper: GraceDownProj, enc, slots, cfg: GraceConfig, pad_id: int, device) -> tuple[int, list[float]]:
     """Train the values of one batch of edits (entries shared within the batch are trained jointly)."""
     B = len(enc)
     ids, mask, pos, labels, key_pos, cache = _layout(enc, pad_id, device, model)
@@ -391,8 +411,7 @@ def _train_batch(model, wrapper: GraceDownProj, enc, slots, cfg: GraceConfig, pa
             wrapper.values = all_values.index_copy(0, uniq, param)
             wrapper.force = (slot_t, key_pos)  # global entry indices
             past = copy.deepcopy(cache) if cache is not None else None
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
-                        use_cache=past is not None)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=past is not None)
             logp = torch.log_softmax(out.logits.float(), dim=-1)
             tok_nll = -logp.gather(-1, labels.clamp_min(0)[..., None])[..., 0] * valid
             nll = tok_nll.sum(1) / valid.sum(1).clamp_min(1)
@@ -400,8 +419,7 @@ def _train_batch(model, wrapper: GraceDownProj, enc, slots, cfg: GraceConfig, pa
             # early stop per edit: every target token predicted and mean NLL below the threshold; an
             # entry is frozen (its value kept as it is now) once all the edits sharing it are done
             done_row = ((logp.argmax(-1) == labels) | ~valid).all(1) & (nll.detach() < cfg.early_stop_nll)
-            pending = torch.zeros(len(uniq), dtype=torch.long, device=device).index_add_(
-                0, inv, (~done_row).long())
+            pending = torch.zeros(len(uniq), dtype=torch.long, device=device).index_add_(0, inv, (~done_row).long())
             newly = (pending == 0) & ~frozen
             if bool(newly.any()):
                 snapshot[newly] = param.detach()[newly]

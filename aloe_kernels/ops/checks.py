@@ -54,8 +54,10 @@ def check_y(y: torch.Tensor, lead: tuple, d_out: int, what: str) -> None:
         try:
             y.view(-1, d_out)
         except RuntimeError as exc:
-            raise ValueError(f"y (shape {tuple(y.shape)}, strides {y.stride()}) must be viewable as "
-                             f"(tokens, {d_out}) so it can be updated in place") from exc
+            raise ValueError(
+                f"y (shape {tuple(y.shape)}, strides {y.stride()}) must be viewable as "
+                f"(tokens, {d_out}) so it can be updated in place"
+            ) from exc
 
 
 def check_params(n: int, thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor) -> None:

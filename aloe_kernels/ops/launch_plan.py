@@ -149,8 +149,18 @@ def reduce_blocks(T: int, n_split: int, d_out: int, block_o: int = 0) -> dict:
     return {"BLOCK_S": bs, "BLOCK_T": bt, "BLOCK_O": bo}
 
 
-def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic: bool,
-                n_sms: int, split: int = 0, d: int = 0, k_split: int = 0, o_split: int = 0) -> GatePlan:
+def plan_launch(
+    T: int,
+    n: int,
+    d_out: int,
+    y_dtype: torch.dtype,
+    deterministic: bool,
+    n_sms: int,
+    split: int = 0,
+    d: int = 0,
+    k_split: int = 0,
+    o_split: int = 0,
+) -> GatePlan:
     """Pick mode, edit split, d split and d_out slices from shapes, dtypes and the SM count only (graph safe).
 
     ``d`` is the address width (0: the gate reads scores, as phase B of the
@@ -183,8 +193,16 @@ def plan_launch(T: int, n: int, d_out: int, y_dtype: torch.dtype, deterministic:
     from_scores = d <= 0 or k_split > 1
     o_split, o_per = _plan_o_split(T, split, d_out, n_sms, o_split if from_scores else 1)
     launches = (2 if mode == MODE_PARTIAL else 1) + (1 if k_split > 1 else 0)
-    return GatePlan(mode=mode, split=split, edits_per_split=per, launches=launches, k_split=k_split,
-                    d_per_split=d_per, o_split=o_split, o_per_split=o_per)
+    return GatePlan(
+        mode=mode,
+        split=split,
+        edits_per_split=per,
+        launches=launches,
+        k_split=k_split,
+        d_per_split=d_per,
+        o_split=o_split,
+        o_per_split=o_per,
+    )
 
 
 def _even_slices(width: int, parts: int, grain: int) -> tuple:
@@ -210,8 +228,7 @@ def _plan_o_split(T: int, split: int, d_out: int, n_sms: int, o_split: int) -> t
     """
     if o_split <= 0:
         programs = split * -(-T // 16)
-        o_split = 1 if T > _O_SLICED_MAX_T else \
-            max(1, min(-(-_WRITE_PROGRAMS_PER_SM * n_sms // programs), d_out // _O_GRAIN))
+        o_split = 1 if T > _O_SLICED_MAX_T else max(1, min(-(-_WRITE_PROGRAMS_PER_SM * n_sms // programs), d_out // _O_GRAIN))
     return _even_slices(d_out, o_split, _O_GRAIN)
 
 
@@ -258,8 +275,7 @@ def _fixed_blocks(T: int, interpret: bool, wide: bool = False) -> dict:
     return dict(zip(("block_t", "block_n", "block_d", "block_o"), sizes))
 
 
-def resolve_blocks(T: int, interpret: bool, block_t: int, block_n: int, block_d: int, block_o: int,
-                   wide: bool = False) -> dict:
+def resolve_blocks(T: int, interpret: bool, block_t: int, block_n: int, block_d: int, block_o: int, wide: bool = False) -> dict:
     """Block sizes of an untuned launch: the fixed ones for T, overridden by any given (> 0, powers of two)."""
     base = _fixed_blocks(T, interpret, wide)
     given = {"block_t": block_t, "block_n": block_n, "block_d": block_d, "block_o": block_o}
@@ -273,8 +289,12 @@ def resolve_blocks(T: int, interpret: bool, block_t: int, block_n: int, block_d:
 
 def block_meta(blocks: dict) -> dict:
     """The kernel's BLOCK_* constexprs for resolved ``blocks``."""
-    return {"BLOCK_T": blocks["block_t"], "BLOCK_N": blocks["block_n"],
-            "BLOCK_D": blocks["block_d"], "BLOCK_O": blocks["block_o"]}
+    return {
+        "BLOCK_T": blocks["block_t"],
+        "BLOCK_N": blocks["block_n"],
+        "BLOCK_D": blocks["block_d"],
+        "BLOCK_O": blocks["block_o"],
+    }
 
 
 def launch_params(blocks: dict, T: int, interpret: bool) -> dict:
@@ -306,15 +326,14 @@ def gate_configs() -> list:
             for stages in (3, 4):
                 if (bn, bd, stages) == (16, 256, 3):  # spills 16 bytes in the partial mode
                     continue
-                cfgs.append(triton.Config({"BLOCK_T": 16, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": 64},
-                                          num_warps=4, num_stages=stages))
+                cfgs.append(
+                    triton.Config({"BLOCK_T": 16, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": 64}, num_warps=4, num_stages=stages)
+                )
     for bt, bn, bo, w in ((32, 32, 128, 4), (32, 64, 64, 4), (64, 32, 64, 4), (64, 64, 64, 8)):
-        cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_O": bo},
-                                  num_warps=w, num_stages=3))
+        cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 128, "BLOCK_O": bo}, num_warps=w, num_stages=3))
     # prefill-like tiles
     for bt, bn, bo, w in ((64, 64, 64, 4), (64, 128, 64, 8), (128, 32, 64, 8), (128, 64, 64, 8), (128, 128, 32, 8)):
-        cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 64, "BLOCK_O": bo},
-                                  num_warps=w, num_stages=3))
+        cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": 64, "BLOCK_O": bo}, num_warps=w, num_stages=3))
     return cfgs
 
 
@@ -341,8 +360,16 @@ def scores_configs() -> list:
     """Autotuning space of the phase-A scores kernel."""
     cfgs = []
     # (128, 128) tiles take BLOCK_D 32: with 64 they spill in the sm_90 compile.
-    for bt, bn, bd, w in ((16, 16, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (32, 64, 128, 4),
-                          (64, 64, 64, 4), (128, 64, 64, 8), (64, 128, 64, 8), (128, 128, 32, 8)):
+    for bt, bn, bd, w in (
+        (16, 16, 256, 4),
+        (16, 32, 128, 4),
+        (16, 64, 128, 4),
+        (32, 64, 128, 4),
+        (64, 64, 64, 4),
+        (128, 64, 64, 8),
+        (64, 128, 64, 8),
+        (128, 128, 32, 8),
+    ):
         cfgs.append(triton.Config({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=3))
     # narrow-N, wide-D tiles with deeper pipelines: the split-K phase A of decode
     for bn in (16, 32):

@@ -37,8 +37,9 @@ __all__ = ["aloe_gate_apply_", "aloe_gate_partial_scores"]
 
 
 @torch.library.custom_op("aloe::gate_partial_scores", mutates_args=())
-def _partial_scores_op(h: torch.Tensor, addresses: torch.Tensor, block_t: int = 0, block_n: int = 0,
-                       block_d: int = 0) -> torch.Tensor:
+def _partial_scores_op(
+    h: torch.Tensor, addresses: torch.Tensor, block_t: int = 0, block_n: int = 0, block_d: int = 0
+) -> torch.Tensor:
     n, d = addresses.shape
     lead = h.shape[:-1]
     h2 = _flat_rows(h, d)
@@ -54,8 +55,9 @@ def _partial_scores_op(h: torch.Tensor, addresses: torch.Tensor, block_t: int = 
     wide = _wide_tiles(h2, addresses)
     blocks = resolve_blocks(T, interpret, block_t, block_n, block_d, 0, wide=wide)
     with device_guard(h2):
-        out = launch_scores(jit_kernels(interpret), h2, addresses, 1, d, False, blocks,
-                            not (interpret or explicit or wide), interpret)
+        out = launch_scores(
+            jit_kernels(interpret), h2, addresses, 1, d, False, blocks, not (interpret or explicit or wide), interpret
+        )
     return out.view(*lead, n + 1)
 
 
@@ -66,21 +68,58 @@ def _partial_scores_fake(h, addresses, block_t=0, block_n=0, block_d=0):
 
 @torch.library.custom_op("aloe::gate_apply_", mutates_args=("y",))
 def _gate_apply_op(
-    y: torch.Tensor, scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-    writes: torch.Tensor, eps: float, gate_eps: float, edit_offset: int = 0, deterministic: bool = False,
-    split: int = 0, block_t: int = 0, block_n: int = 0, block_o: int = 0,
+    y: torch.Tensor,
+    scores: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+    edit_offset: int = 0,
+    deterministic: bool = False,
+    split: int = 0,
+    block_t: int = 0,
+    block_n: int = 0,
+    block_o: int = 0,
 ) -> None:
     d_out = writes.shape[1]
     y2 = _y_rows(y, d_out)
     s2 = _flat_rows(scores, scores.shape[-1])
-    _run_gate(y2, s2, None, thresholds, temperatures, writes, eps, gate_eps, deterministic,
-              from_scores=True, col_offset=edit_offset, norm_col=scores.shape[-1] - 1, d=0, split=split,
-              blocks_given=(block_t, block_n, 0, block_o))
+    _run_gate(
+        y2,
+        s2,
+        None,
+        thresholds,
+        temperatures,
+        writes,
+        eps,
+        gate_eps,
+        deterministic,
+        from_scores=True,
+        col_offset=edit_offset,
+        norm_col=scores.shape[-1] - 1,
+        d=0,
+        split=split,
+        blocks_given=(block_t, block_n, 0, block_o),
+    )
 
 
 @_gate_apply_op.register_fake
-def _gate_apply_fake(y, scores, thresholds, temperatures, writes, eps, gate_eps, edit_offset=0,
-                     deterministic=False, split=0, block_t=0, block_n=0, block_o=0) -> None:
+def _gate_apply_fake(
+    y,
+    scores,
+    thresholds,
+    temperatures,
+    writes,
+    eps,
+    gate_eps,
+    edit_offset=0,
+    deterministic=False,
+    split=0,
+    block_t=0,
+    block_n=0,
+    block_o=0,
+) -> None:
     return None
 
 
@@ -89,8 +128,9 @@ def _gate_apply_fake(y, scores, thresholds, temperatures, writes, eps, gate_eps,
 # --------------------------------------------------------------------------
 
 
-def aloe_gate_partial_scores(h_shard: torch.Tensor, addresses_shard: torch.Tensor, *, block_t: int = 0,
-                             block_n: int = 0, block_d: int = 0) -> torch.Tensor:
+def aloe_gate_partial_scores(
+    h_shard: torch.Tensor, addresses_shard: torch.Tensor, *, block_t: int = 0, block_n: int = 0, block_d: int = 0
+) -> torch.Tensor:
     """Phase A of the tensor-parallel split: ``(..., n + 1)`` fp32.
 
     Columns ``[0, n)`` hold the raw partial scores ``h_shard @ addresses_shard^T``
@@ -109,9 +149,20 @@ def aloe_gate_partial_scores(h_shard: torch.Tensor, addresses_shard: torch.Tenso
 
 
 def aloe_gate_apply_(
-    y: torch.Tensor, scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-    writes: torch.Tensor, eps: float = 1e-6, gate_eps: float = 1e-3, edit_offset: int = 0,
-    deterministic: bool = False, *, split: int = 0, block_t: int = 0, block_n: int = 0, block_o: int = 0,
+    y: torch.Tensor,
+    scores: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float = 1e-6,
+    gate_eps: float = 1e-3,
+    edit_offset: int = 0,
+    deterministic: bool = False,
+    *,
+    split: int = 0,
+    block_t: int = 0,
+    block_n: int = 0,
+    block_o: int = 0,
 ) -> torch.Tensor:
     """Phase B of the tensor-parallel split: gate a share of edits and add its writes into ``y``.
 
@@ -139,7 +190,19 @@ def aloe_gate_apply_(
     check_eps(eps, gate_eps)
     if scores.numel() == 0 or n == 0:
         return y
-    torch.ops.aloe.gate_apply_(y, scores, thresholds, temperatures, writes, float(eps), float(gate_eps),
-                               int(edit_offset), bool(deterministic), int(split), int(block_t), int(block_n),
-                               int(block_o))
+    torch.ops.aloe.gate_apply_(
+        y,
+        scores,
+        thresholds,
+        temperatures,
+        writes,
+        float(eps),
+        float(gate_eps),
+        int(edit_offset),
+        bool(deterministic),
+        int(split),
+        int(block_t),
+        int(block_n),
+        int(block_o),
+    )
     return y

@@ -32,22 +32,25 @@ def run(ctx: Context, subparts: tuple[str, ...] = SUBPARTS) -> PartResult:
     res = PartResult("acceptance")
     if not SCRIPT.is_file():
         res.status = "skipped"
-        res.log(f"SKIP: {SCRIPT} missing; run `python -m benchmarks.gpu_suite --prepare` (copies "
-                "../shared/gpu/acceptance.py) before the GPU call")
+        res.log(
+            f"SKIP: {SCRIPT} missing; run `python -m benchmarks.gpu_suite --prepare` (copies "
+            "../shared/gpu/acceptance.py) before the GPU call"
+        )
         return res
     ctx.out.mkdir(parents=True, exist_ok=True)
     summaries = []
     for sub in subparts:
         rc, text, seconds = run_sub(ctx, sub)
-        header = (f"# acceptance.py --part {sub}{' --smoke' if ctx.smoke else ''} on {ctx.env.get('device_name')}; "
-                  f"torch {ctx.env.get('torch')}, triton {ctx.env.get('triton')}, CUDA {ctx.env.get('cuda')}; "
-                  f"{ctx.env.get('timestamp_utc')}; rc={rc}; {seconds:.0f} s\n")
+        header = (
+            f"# acceptance.py --part {sub}{' --smoke' if ctx.smoke else ''} on {ctx.env.get('device_name')}; "
+            f"torch {ctx.env.get('torch')}, triton {ctx.env.get('triton')}, CUDA {ctx.env.get('cuda')}; "
+            f"{ctx.env.get('timestamp_utc')}; rc={rc}; {seconds:.0f} s\n"
+        )
         (ctx.out / f"acceptance_{sub}.txt").write_text(header + text)
         last = [ln for ln in text.splitlines() if ln.startswith("SUMMARY")]
         summaries.append(f"{sub}: rc={rc} {last[-1] if last else '(no SUMMARY line)'}")
         res.log(summaries[-1])
-        res.data[sub] = {"rc": rc, "seconds": seconds, "fail_lines": [ln for ln in text.splitlines()
-                                                                     if ln.startswith("FAIL")]}
+        res.data[sub] = {"rc": rc, "seconds": seconds, "fail_lines": [ln for ln in text.splitlines() if ln.startswith("FAIL")]}
         if rc != 0:
             res.status = "fail"
     parts = [ctx.out / f"acceptance_{s}.txt" for s in SUBPARTS if (ctx.out / f"acceptance_{s}.txt").is_file()]

@@ -28,12 +28,26 @@ EDITS = SCRATCH / "counterfact-val-1301.jsonl"
 REAL_MODEL = SCRATCH / "smollm2-135m-instruct"
 TIMEOUT_S = 540  # one 10-minute device call, with room for the model save
 # The CLI entry point, run from the source tree: aloe_vllm is mapped to integrations/vllm first.
-CLI = ("import sys; from benchmarks.gpu.common import source_tree_imports; source_tree_imports(); "
-       "from aloe_cli.main import main; sys.exit(main(sys.argv[1:]))")
+CLI = (
+    "import sys; from benchmarks.gpu.common import source_tree_imports; source_tree_imports(); "
+    "from aloe_cli.main import main; sys.exit(main(sys.argv[1:]))"
+)
 OPERATOR_FILES = ("aloe_operator.safetensors", "aloe_config.json")
-CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-               "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+CONFIG_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 
 
 def save_random_smollm2(out: Path, smoke: bool) -> Path:
@@ -60,8 +74,7 @@ def save_random_smollm2(out: Path, smoke: bool) -> Path:
     return out
 
 
-def run_cli(args: list[str], timeout: float, extra_env: dict[str, str] | None = None, tail: int = 6000
-            ) -> tuple[int, str, float]:
+def run_cli(args: list[str], timeout: float, extra_env: dict[str, str] | None = None, tail: int = 6000) -> tuple[int, str, float]:
     """``aloe <args>`` in a subprocess from the source tree: return code, the last ``tail`` characters of
     its output and seconds.
 
@@ -81,16 +94,28 @@ def _flags_supported(res: PartResult) -> bool:
     return ok
 
 
-def timed_build(ctx: Context, res: PartResult, model_dir: Path, label: str, limit: int | None,
-                keep_as: str | None = None) -> dict:
+def timed_build(
+    ctx: Context, res: PartResult, model_dir: Path, label: str, limit: int | None, keep_as: str | None = None
+) -> dict:
     """One ``aloe build`` on ``model_dir``: seconds, return code and the output's tail.
 
     ``keep_as``: copy the operator (``aloe_operator.safetensors``, ``aloe_config.json``)
     into the results folder under this prefix, so it can be evaluated elsewhere.
     """
     with tempfile.TemporaryDirectory(prefix="aloe-build-") as tmp:
-        args = ["build", "--model", str(model_dir), "--edits", str(EDITS), "--out", str(Path(tmp) / "op"),
-                "--device", ctx.device, "--dtype", "bfloat16" if ctx.cuda else "float32"]
+        args = [
+            "build",
+            "--model",
+            str(model_dir),
+            "--edits",
+            str(EDITS),
+            "--out",
+            str(Path(tmp) / "op"),
+            "--device",
+            ctx.device,
+            "--dtype",
+            "bfloat16" if ctx.cuda else "float32",
+        ]
         if limit:
             args += ["--limit", str(limit)]
         rc, text, seconds = run_cli(args, TIMEOUT_S)
@@ -103,8 +128,7 @@ def timed_build(ctx: Context, res: PartResult, model_dir: Path, label: str, limi
             ctx.out.mkdir(parents=True, exist_ok=True)
             for name in OPERATOR_FILES:
                 shutil.copy(Path(tmp) / "op" / name, ctx.out / f"{keep_as}_{name}")
-    row = {"model": label, "rc": rc, "seconds": seconds, "edits": limit or 1301, "output_tail": text[-3000:],
-           "report": report}
+    row = {"model": label, "rc": rc, "seconds": seconds, "edits": limit or 1301, "output_tail": text[-3000:], "report": report}
     res.log(f"aloe build on {label} ({row['edits']} edits, --device {ctx.device}): rc={rc}, {seconds:.1f} s")
     if rc != 0:
         res.status = "fail"
@@ -117,12 +141,13 @@ def timed_build(ctx: Context, res: PartResult, model_dir: Path, label: str, limi
 def run(ctx: Context) -> PartResult:
     """The ``build`` part."""
     res = PartResult("build")
-    missing = [str(p) for p in (TOKENIZER_DIR / "tokenizer.json", TOKENIZER_DIR / "config.json", EDITS)
-               if not p.is_file()]
+    missing = [str(p) for p in (TOKENIZER_DIR / "tokenizer.json", TOKENIZER_DIR / "config.json", EDITS) if not p.is_file()]
     if missing:
         res.status = "skipped"
-        res.log(f"SKIP: {', '.join(missing)} missing; run `python -m benchmarks.gpu_suite --prepare` where "
-                "../shared and the SmolLM2 tokenizer are present, before the GPU call")
+        res.log(
+            f"SKIP: {', '.join(missing)} missing; run `python -m benchmarks.gpu_suite --prepare` where "
+            "../shared and the SmolLM2 tokenizer are present, before the GPU call"
+        )
         return res
     if ctx.smoke:  # on a GPU the timed build itself shows whether the flags are taken
         if not _flags_supported(res):
@@ -136,11 +161,11 @@ def run(ctx: Context) -> PartResult:
         model_dir = save_random_smollm2(Path(tmp) / "model", ctx.smoke)
         row = timed_build(ctx, res, model_dir, "random-weight SmolLM2-135M shape", None)
     res.data["rows"] = [row]
-    res.target("aloe build of 1,301 edits --device cuda (minutes)", row["seconds"] / 60 if row["rc"] == 0 else None,
-               "<=", 3.0, " min")
+    res.target(
+        "aloe build of 1,301 edits --device cuda (minutes)", row["seconds"] / 60 if row["rc"] == 0 else None, "<=", 3.0, " min"
+    )
     if (REAL_MODEL / "config.json").is_file():
-        res.data["rows"].append(timed_build(ctx, res, REAL_MODEL, "SmolLM2-135M-Instruct (real)", None,
-                                             keep_as="smollm2"))
+        res.data["rows"].append(timed_build(ctx, res, REAL_MODEL, "SmolLM2-135M-Instruct (real)", None, keep_as="smollm2"))
     else:
         res.log(f"real SmolLM2 check not run: {REAL_MODEL} absent (its weights exceed what travels to the GPU)")
     if res.status == "ok" and any(t["verdict"] == "MISS" for t in res.targets):

@@ -31,8 +31,7 @@ def source_tree_imports() -> None:
         sys.path.insert(0, str(ROOT))
     if "aloe_vllm" not in sys.modules and importlib.util.find_spec("aloe_vllm") is None:
         pkg = ROOT / "integrations" / "vllm"
-        spec = importlib.util.spec_from_file_location("aloe_vllm", pkg / "__init__.py",
-                                                      submodule_search_locations=[str(pkg)])
+        spec = importlib.util.spec_from_file_location("aloe_vllm", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
         if spec is not None and spec.loader is not None:
             module = importlib.util.module_from_spec(spec)
             sys.modules["aloe_vllm"] = module
@@ -111,8 +110,12 @@ def environment(device: str) -> dict[str, Any]:
     env["device_name"] = env.get("gpu") or f"cpu ({env['cpu']})"
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        env.update(gpu_memory_gb=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count,
-                   capability=f"{props.major}.{props.minor}", cudnn=torch.backends.cudnn.version())
+        env.update(
+            gpu_memory_gb=round(props.total_memory / 2**30, 1),
+            sm_count=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            cudnn=torch.backends.cudnn.version(),
+        )
     env["timestamp_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return env
 
@@ -136,13 +139,22 @@ def default_out(device: str) -> Path:
 def write_part(ctx: Context, res: PartResult) -> Path:
     """``<part>.json`` (environment, targets, data) and ``<part>.txt`` (the printed lines)."""
     ctx.out.mkdir(parents=True, exist_ok=True)
-    payload = {"part": res.part, "status": res.status, "seconds": round(res.seconds, 1), "smoke": ctx.smoke,
-               "environment": ctx.env, "targets": res.targets, "data": res.data}
+    payload = {
+        "part": res.part,
+        "status": res.status,
+        "seconds": round(res.seconds, 1),
+        "smoke": ctx.smoke,
+        "environment": ctx.env,
+        "targets": res.targets,
+        "data": res.data,
+    }
     path = ctx.out / f"{res.part}.json"
     path.write_text(json.dumps(payload, indent=1, default=str))
-    header = (f"# {res.part} on {ctx.env.get('device_name')}; torch {ctx.env.get('torch')}, triton "
-              f"{ctx.env.get('triton')}, transformers {ctx.env.get('transformers')}, CUDA {ctx.env.get('cuda')}; "
-              f"{ctx.env.get('timestamp_utc')}{' (smoke)' if ctx.smoke else ''}\n")
+    header = (
+        f"# {res.part} on {ctx.env.get('device_name')}; torch {ctx.env.get('torch')}, triton "
+        f"{ctx.env.get('triton')}, transformers {ctx.env.get('transformers')}, CUDA {ctx.env.get('cuda')}; "
+        f"{ctx.env.get('timestamp_utc')}{' (smoke)' if ctx.smoke else ''}\n"
+    )
     (ctx.out / f"{res.part}.txt").write_text(header + "\n".join(res.lines) + "\n" + res.summary() + "\n")
     res.files += [str(path), str(ctx.out / f"{res.part}.txt")]
     return path

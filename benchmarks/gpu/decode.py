@@ -20,10 +20,26 @@ import torch
 
 from .common import Context, PartResult
 
-GPU_SIZES = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192)
-TINY_SIZES = dict(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=12, vocab_size=256, max_position_embeddings=128)
+GPU_SIZES = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+)
+TINY_SIZES = dict(
+    hidden_size=24,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=12,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 PROMPT, MAX_LEN = 16, 64
 TARGETS = {1301: 1.0, 10000: 3.0}  # n -> max overhead %
 
@@ -49,9 +65,10 @@ def make_static_cache(model, batch: int, max_len: int):
     from transformers import StaticCache
 
     p = next(model.parameters())
-    attempts = (dict(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=p.device,
-                     dtype=p.dtype),
-                dict(config=model.config, max_cache_len=max_len))
+    attempts = (
+        dict(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=p.device, dtype=p.dtype),
+        dict(config=model.config, max_cache_len=max_len),
+    )
     error: Exception | None = None
     for kwargs in attempts:
         try:
@@ -70,8 +87,12 @@ class DecodeStep:
         gen = torch.Generator(device="cpu").manual_seed(batch)
         prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT + 1), generator=gen).to(device)
         with torch.no_grad():
-            model(input_ids=prompt[:, :PROMPT], past_key_values=self.cache, use_cache=True,
-                  cache_position=torch.arange(PROMPT, device=device))
+            model(
+                input_ids=prompt[:, :PROMPT],
+                past_key_values=self.cache,
+                use_cache=True,
+                cache_position=torch.arange(PROMPT, device=device),
+            )
         self.tokens = prompt[:, PROMPT:].contiguous()
         self.cache_position = torch.tensor([PROMPT], device=device)
         self.position_ids = self.cache_position.view(1, 1).expand(batch, 1).contiguous()
@@ -80,8 +101,11 @@ class DecodeStep:
     def _rewind(self) -> None:
         # transformers 5.x static layers write at their own running length (they ignore cache_position):
         # reset it so every replay writes the same slot, as one step of a longer decode would.
-        lengths = [layer.cumulative_length for layer in getattr(self.cache, "layers", ())
-                   if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+        lengths = [
+            layer.cumulative_length
+            for layer in getattr(self.cache, "layers", ())
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+        ]
         if lengths:
             torch._foreach_mul_(lengths, 0)
             torch._foreach_add_(lengths, PROMPT)
@@ -89,8 +113,13 @@ class DecodeStep:
     def __call__(self) -> None:
         self._rewind()
         with torch.no_grad():
-            out = self.model(input_ids=self.tokens, position_ids=self.position_ids, past_key_values=self.cache,
-                             cache_position=self.cache_position, use_cache=True)
+            out = self.model(
+                input_ids=self.tokens,
+                position_ids=self.position_ids,
+                past_key_values=self.cache,
+                cache_position=self.cache_position,
+                use_cache=True,
+            )
         self.logits = out.logits
 
 
@@ -110,8 +139,13 @@ def planted_operator(model, step: DecodeStep, layer: int, n: int, device: str):
     addresses[:k] = seen["h"][:k].float()
     addresses = torch.nn.functional.normalize(addresses, dim=1)
     writes = torch.randn(n, site.d_out, generator=gen, device=device) * 0.01
-    return AloeOperator(addresses=addresses, thresholds=torch.full((n,), 0.8, device=device),
-                        temperatures=torch.full((n,), 30.0, device=device), writes=writes, layer=layer)
+    return AloeOperator(
+        addresses=addresses,
+        thresholds=torch.full((n,), 0.8, device=device),
+        temperatures=torch.full((n,), 30.0, device=device),
+        writes=writes,
+        layer=layer,
+    )
 
 
 def _alternate(timer, graphs: dict, rounds: int = 6, reps: int = 15) -> dict[str, float]:
@@ -137,8 +171,10 @@ def measure_batch(ctx: Context, res: PartResult, model, batch: int, ns: tuple, l
             graphs["base"] = timer.capture(step)
             mode = "cuda-graph"
         except Exception as exc:
-            res.log(f"batch {batch}: CUDA-graph capture of the decode step failed, timing eagerly: "
-                    f"{type(exc).__name__}: {str(exc)[:300]}")
+            res.log(
+                f"batch {batch}: CUDA-graph capture of the decode step failed, timing eagerly: "
+                f"{type(exc).__name__}: {str(exc)[:300]}"
+            )
             timer = None
     if timer is None:
         base_us = time_eager_us(step)
@@ -158,10 +194,12 @@ def measure_batch(ctx: Context, res: PartResult, model, batch: int, ns: tuple, l
             remove_aloe(model)
             del op
         overhead = 100.0 * (patched - base) / base
-        rows.append({"batch": batch, "n": n, "mode": mode, "base_us": base, "aloe_us": patched,
-                     "overhead_pct": overhead, "layer": layer})
-        res.log(f"batch {batch} n={n} ({mode}): base {base / 1e3:.3f} ms, with ALOE {patched / 1e3:.3f} ms, "
-                f"overhead {overhead:+.2f}%")
+        rows.append(
+            {"batch": batch, "n": n, "mode": mode, "base_us": base, "aloe_us": patched, "overhead_pct": overhead, "layer": layer}
+        )
+        res.log(
+            f"batch {batch} n={n} ({mode}): base {base / 1e3:.3f} ms, with ALOE {patched / 1e3:.3f} ms, overhead {overhead:+.2f}%"
+        )
     return rows
 
 

@@ -55,8 +55,15 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
     shape = "llama3-8b" if ctx.cuda else "tiny"
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     w = make_workload(shape, T, n, "1", dtype, ctx.device, seed=n + T, gen_device=ctx.device)
-    row: dict = {"T": T, "n": n, "d": w.d, "d_out": w.d_out, "dtype": str(dtype)[6:],
-                 "open_per_token": round(w.measured_active, 3), "open_edits": w.open_edits}
+    row: dict = {
+        "T": T,
+        "n": n,
+        "d": w.d,
+        "d_out": w.d_out,
+        "dtype": str(dtype)[6:],
+        "open_per_token": round(w.measured_active, 3),
+        "open_edits": w.open_edits,
+    }
     if n <= CHECK_MAX_N:
         y = torch.zeros(T, w.d_out, device=ctx.device, dtype=dtype)
         aloe_residual_(y, w.h, w.op)
@@ -64,8 +71,13 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
         row["rel_err_vs_float64"] = rel_err(y, ref)
         worst = int((y.double() - ref).abs().argmax())
         t, o = divmod(worst, w.d_out)
-        row["worst_element"] = {"token": t, "col": o, "got": float(y[t, o]), "ref": float(ref[t, o]),
-                                "ref_abs_max": float(ref.abs().max())}
+        row["worst_element"] = {
+            "token": t,
+            "col": o,
+            "got": float(y[t, o]),
+            "ref": float(ref[t, o]),
+            "ref_abs_max": float(ref.abs().max()),
+        }
         if ctx.cuda:
             from benchmarks.gate_profile import autotuned_configs
 
@@ -93,9 +105,12 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
                 row[f"{base}_over_aloe"] = row[f"{base}_us"] / aloe
     shown = "  ".join(f"{k[:-3]}={v:.1f}us" for k, v in row.items() if k.endswith("_us") and v)
     err = row.get("rel_err_vs_float64")
-    res.log(f"T={T} n={n} open/token={w.measured_active:.2f}: {shown}"
-            + (f"  %copy-bw={row['pct_of_copy_bw']:.0f}" if "pct_of_copy_bw" in row else "")
-            + (f"  rel_err={err:.1e}" if err is not None else "") + (f"  skipped={skipped}" if skipped else ""))
+    res.log(
+        f"T={T} n={n} open/token={w.measured_active:.2f}: {shown}"
+        + (f"  %copy-bw={row['pct_of_copy_bw']:.0f}" if "pct_of_copy_bw" in row else "")
+        + (f"  rel_err={err:.1e}" if err is not None else "")
+        + (f"  skipped={skipped}" if skipped else "")
+    )
     del w, fns
     if ctx.cuda:
         torch.cuda.empty_cache()
@@ -114,8 +129,7 @@ def judge(res: PartResult, rows: list[dict]) -> None:
         r = by.get((1, n), {})
         if n <= 10000:
             res.target(f"decode T=1 n={n} speed-up vs unfused PyTorch", r.get("reference_over_aloe"), ">=", 2.0, "x")
-        res.target(f"decode T=1 n={n} speed-up vs shrink+expand (sparse gates)", r.get("dense_lowrank_over_aloe"),
-                   ">=", 1.0, "x")
+        res.target(f"decode T=1 n={n} speed-up vs shrink+expand (sparse gates)", r.get("dense_lowrank_over_aloe"), ">=", 1.0, "x")
     T_pre = max(r["T"] for r in rows) if rows else 2048
     r = by.get((T_pre, min(ns) if ns else 1301), {})
     ratio = 1.0 / r["cublas_scores_over_aloe"] if r.get("cublas_scores_over_aloe") else None
@@ -160,6 +174,5 @@ def run(ctx: Context) -> PartResult:
     if res.status == "ok" and any(t["verdict"] == "MISS" for t in res.targets):
         res.status = "miss"
     err = res.data["max_rel_err_vs_float64"]
-    res.data["summary"] = (f"copy bw {bw:.0f} GB/s; max rel_err vs float64 "
-                           f"{'n/a' if err is None else format(err, '.1e')}")
+    res.data["summary"] = f"copy bw {bw:.0f} GB/s; max rel_err vs float64 {'n/a' if err is None else format(err, '.1e')}"
     return res

@@ -87,6 +87,7 @@ def check_residual(ctx: Context, res: PartResult, dtype: torch.dtype) -> None:
         return y
 
     for label, kw in _compile_modes(ctx):
+
         def compiled(label=label, kw=kw):
             torch._dynamo.reset()
             cf = torch.compile(f, fullgraph=True, **kw)
@@ -102,9 +103,16 @@ def _tiny_or_llama_mlp(ctx: Context, dtype: torch.dtype):
     import transformers
 
     hidden, inter = (4096, 14336) if ctx.cuda else (24, 48)
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
-                                      num_attention_heads=max(1, hidden // 128), num_key_value_heads=1,
-                                      head_dim=min(128, hidden), vocab_size=256, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=max(1, hidden // 128),
+        num_key_value_heads=1,
+        head_dim=min(128, hidden),
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     with torch.device(ctx.device):
         model = transformers.LlamaForCausalLM(config)
@@ -131,8 +139,13 @@ def check_hf_patch(ctx: Context, res: PartResult, dtype: torch.dtype) -> None:
     addresses = torch.nn.functional.normalize(torch.cat([rows[:3], extra]), dim=1)  # 3 edits open on 3 tokens
     n = addresses.shape[0]
     writes = torch.randn(n, site.d_out, generator=gen, device=ctx.device) * float(rows.abs().max())
-    op = AloeOperator(addresses=addresses, thresholds=torch.full((n,), 0.8, device=ctx.device),
-                      temperatures=torch.full((n,), 30.0, device=ctx.device), writes=writes, layer=0)
+    op = AloeOperator(
+        addresses=addresses,
+        thresholds=torch.full((n,), 0.8, device=ctx.device),
+        temperatures=torch.full((n,), 30.0, device=ctx.device),
+        writes=writes,
+        layer=0,
+    )
     wrapper = apply_aloe(model, op)
     op_rt = wrapper.operator  # as held by the module (weight dtype on GPU, float32 on CPU)
     with torch.no_grad():
@@ -151,6 +164,7 @@ def check_hf_patch(ctx: Context, res: PartResult, dtype: torch.dtype) -> None:
         else:
             res.log("SKIP CUDA graph capture of the patched down_proj: needs CUDA")
         for label, kw in _compile_modes(ctx):
+
             def compiled(label=label, kw=kw):
                 torch._dynamo.reset()
                 cm = torch.compile(wrapper, fullgraph=True, **kw)
@@ -169,6 +183,5 @@ def run(ctx: Context) -> PartResult:
     _attempt(res, "HF patch checks", lambda: check_hf_patch(ctx, res, dtype))
     checks = res.data.get("checks", [])
     worst = max((c.get("rel_err", 0.0) for c in checks), default=float("nan"))
-    res.data["summary"] = (f"{sum(c['ok'] for c in checks)}/{len(checks)} checks pass; "
-                           f"worst rel_err vs float64 {worst:.1e}")
+    res.data["summary"] = f"{sum(c['ok'] for c in checks)}/{len(checks)} checks pass; worst rel_err vs float64 {worst:.1e}"
     return res

@@ -18,8 +18,7 @@ from .common import ROOT, SCRATCH
 
 SHARED = ROOT.parent / "shared"
 MODEL_CACHE = Path.home() / ".cache" / "aloe" / "models" / "smollm2-135m-instruct"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "generation_config.json")
 N_EDITS = 1301
 
 
@@ -105,8 +104,25 @@ def prepare_model_parts(out: Path | None = None) -> list[str]:
     else:
         done.append(f"no cached encoder at {enc}: the GPU build will train it (build once here to cache it)")
     version = importlib.metadata.version("gguf")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                           "-d", str(out / "part3"), f"gguf=={version}"], capture_output=True, text=True)
-    done.append(f"gguf {version} wheel -> {out}/part3" if proc.returncode == 0
-                else f"MISSING the gguf wheel (pip download failed: {proc.stderr.strip()[-300:]})")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(out / "part3"),
+            f"gguf=={version}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    done.append(
+        f"gguf {version} wheel -> {out}/part3"
+        if proc.returncode == 0
+        else f"MISSING the gguf wheel (pip download failed: {proc.stderr.strip()[-300:]})"
+    )
     return done

@@ -100,8 +100,24 @@ def assemble(stash: Path) -> Path | None:
 def _install_wheels(stash: Path) -> None:
     wheels = sorted(str(p) for p in stash.glob("*.whl"))
     if wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--target", str(stash / "site"), *wheels], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-cache-dir",
+                "--upgrade",
+                "--target",
+                str(stash / "site"),
+                *wheels,
+            ],
+            check=True,
+        )
 
 
 def run(ctx: Context, limit: int | None = None) -> PartResult:
@@ -133,24 +149,43 @@ def run(ctx: Context, limit: int | None = None) -> PartResult:
     rows = res.data.setdefault("rows", [])
     op = stash_root / "op"
     shutil.rmtree(op, ignore_errors=True)
-    common = ["--model", "smollm2", "--edits", str(EDITS), "--device", ctx.device,
-              "--dtype", "bfloat16" if ctx.cuda else "float32"] + (["--limit", str(limit)] if limit else [])
+    common = [
+        "--model",
+        "smollm2",
+        "--edits",
+        str(EDITS),
+        "--device",
+        ctx.device,
+        "--dtype",
+        "bfloat16" if ctx.cuda else "float32",
+    ] + (["--limit", str(limit)] if limit else [])
     rc, text, seconds = run_cli(["build", *common, "--out", str(op)], BUILD_TIMEOUT_S, env)
     report = json.loads((op / "build_report.json").read_text()) if rc == 0 else {}
-    rows.append({"step": "build", "rc": rc, "seconds": seconds, "output_tail": text[-3000:],
-                 "stages": {k: v.get("seconds") for k, v in report.get("stages", {}).items()}})
-    res.log(f"aloe build ({limit or 1301} edits, {ctx.device}): rc={rc}, {seconds:.1f} s wall including the model's "
-            f"load (and, the first time, its conversion from GGUF); stages {rows[-1]['stages']}")
+    rows.append(
+        {
+            "step": "build",
+            "rc": rc,
+            "seconds": seconds,
+            "output_tail": text[-3000:],
+            "stages": {k: v.get("seconds") for k, v in report.get("stages", {}).items()},
+        }
+    )
+    res.log(
+        f"aloe build ({limit or 1301} edits, {ctx.device}): rc={rc}, {seconds:.1f} s wall including the model's "
+        f"load (and, the first time, its conversion from GGUF); stages {rows[-1]['stages']}"
+    )
     judged = ctx.cuda and not limit  # a CPU check or a partial stream gets no verdict
-    res.target("aloe build of 1,301 edits on the real SmolLM2 (minutes)",
-               seconds / 60 if rc == 0 and judged else None, "<=", 3.0, " min")
+    res.target(
+        "aloe build of 1,301 edits on the real SmolLM2 (minutes)", seconds / 60 if rc == 0 and judged else None, "<=", 3.0, " min"
+    )
     if rc != 0:
         res.status = "fail"
         res.log("build output (tail):\n" + text[-1500:])
         return res
     ev = stash_root / "eval"
-    rc, text, seconds = run_cli(["eval", *common, "--operator", str(op), "--no-unedited", "--no-plots",
-                                 "--out", str(ev)], EVAL_TIMEOUT_S, env)
+    rc, text, seconds = run_cli(
+        ["eval", *common, "--operator", str(op), "--no-unedited", "--no-plots", "--out", str(ev)], EVAL_TIMEOUT_S, env
+    )
     rows.append({"step": "eval", "rc": rc, "seconds": seconds, "output_tail": text[-3000:]})
     res.log(f"aloe eval ({ctx.device}): rc={rc}, {seconds:.1f} s")
     scores = {}

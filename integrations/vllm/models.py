@@ -61,8 +61,10 @@ class _AloeMixin:
         source = f"{vllm_config.model_config.model}/config.json"
         spec = AloeSpec.from_config(hf if getattr(hf, "aloe", None) is not None else config, source)
         spec.check_model(
-            num_layers=int(config.num_hidden_layers), d=int(config.intermediate_size),
-            d_out=int(config.hidden_size), source=source,
+            num_layers=int(config.num_hidden_layers),
+            d=int(config.intermediate_size),
+            d_out=int(config.hidden_size),
+            source=source,
         )
         self.aloe_spec = spec
         self._aloe_layer: AloeRowParallelLinear | None = None

@@ -42,8 +42,14 @@ from aloe_kernels.residual import aloe_residual_
 
 from .screen import int8_screen_of
 
-__all__ = ["apply_from_scores_", "int8_screened_residual_", "partial_scores", "profile_counters", "residual_",
-           "screened_residual_"]
+__all__ = [
+    "apply_from_scores_",
+    "int8_screened_residual_",
+    "partial_scores",
+    "profile_counters",
+    "residual_",
+    "screened_residual_",
+]
 
 # Opt-in timing of the ALOE ops in this process (ALOE_VLLM_PROFILE=1), for benchmarks:
 # read with profile_counters(), e.g. through LLM.collective_rpc in vLLM workers.
@@ -96,8 +102,14 @@ def _live_rows(addresses: torch.Tensor, active: Optional[torch.Tensor]) -> int:
 
 @torch.library.custom_op("aloe_vllm::residual_", mutates_args=("y",))
 def residual_(
-    y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
-    temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
     active: Optional[torch.Tensor] = None,
 ) -> None:
     """``y += U g(h)`` through the runtime's dispatch (fused kernel or sparse PyTorch)."""
@@ -107,8 +119,7 @@ def residual_(
     with _timed(h.numel() // h.shape[-1]):
         # The layer checked these tensors when it loaded them; validating them every forward would
         # cost more than the residual at decode.
-        aloe_residual_(y, h, AloeOperator.unchecked(addresses[:k], thresholds[:k], temperatures[:k], writes[:k],
-                                                    eps, gate_eps))
+        aloe_residual_(y, h, AloeOperator.unchecked(addresses[:k], thresholds[:k], temperatures[:k], writes[:k], eps, gate_eps))
 
 
 @residual_.register_fake
@@ -118,9 +129,18 @@ def _residual_fake(y, h, addresses, thresholds, temperatures, writes, eps, gate_
 
 @torch.library.custom_op("aloe_vllm::screened_residual_", mutates_args=("y",))
 def screened_residual_(
-    y: torch.Tensor, h: torch.Tensor, addresses_lo: torch.Tensor, screen_handle: torch.Tensor,
-    limit_lo: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-    writes: torch.Tensor, eps: float, gate_eps: float, active: Optional[torch.Tensor] = None,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    addresses_lo: torch.Tensor,
+    screen_handle: torch.Tensor,
+    limit_lo: torch.Tensor,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+    active: Optional[torch.Tensor] = None,
 ) -> None:
     """``y += U g(h)``: the screened CPU path (an empty or zero ``screen_handle`` screens with ``addresses_lo``).
 
@@ -133,20 +153,29 @@ def screened_residual_(
         # An empty handle, or 0, means no packed matrix: screen with addresses_lo.
         packed = screen_handle.numel() == 1 and int(screen_handle) != 0
         gemm = _onednn_screen(screen_handle, k) if packed else None
-        screened.screened_residual_(y, h, addresses_lo[:k], limit_lo[:k], addresses[:k], thresholds[:k],
-                                    temperatures[:k], writes[:k], eps, gate_eps, gemm)
+        screened.screened_residual_(
+            y, h, addresses_lo[:k], limit_lo[:k], addresses[:k], thresholds[:k], temperatures[:k], writes[:k], eps, gate_eps, gemm
+        )
 
 
 @screened_residual_.register_fake
-def _screened_fake(y, h, addresses_lo, screen_handle, limit_lo, addresses, thresholds, temperatures, writes, eps,
-                   gate_eps, active=None) -> None:
+def _screened_fake(
+    y, h, addresses_lo, screen_handle, limit_lo, addresses, thresholds, temperatures, writes, eps, gate_eps, active=None
+) -> None:
     return None
 
 
 @torch.library.custom_op("aloe_vllm::int8_screened_residual_", mutates_args=("y",))
 def int8_screened_residual_(
-    y: torch.Tensor, h: torch.Tensor, screen_handle: torch.Tensor, addresses: torch.Tensor,
-    thresholds: torch.Tensor, temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    screen_handle: torch.Tensor,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
     active: Optional[torch.Tensor] = None,
 ) -> None:
     """``y += U g(h)``: the int8-screened CPU path over the first ``active`` slots (what the screen holds)."""
@@ -154,13 +183,13 @@ def int8_screened_residual_(
     if k == 0:
         return
     with _timed(h.numel() // h.shape[-1]):
-        screened_int8.int8_screened_residual_(y, h, int8_screen_of(screen_handle), addresses[:k], thresholds[:k],
-                                              temperatures[:k], writes[:k], eps, gate_eps)
+        screened_int8.int8_screened_residual_(
+            y, h, int8_screen_of(screen_handle), addresses[:k], thresholds[:k], temperatures[:k], writes[:k], eps, gate_eps
+        )
 
 
 @int8_screened_residual_.register_fake
-def _int8_screened_fake(y, h, screen_handle, addresses, thresholds, temperatures, writes, eps, gate_eps,
-                        active=None) -> None:
+def _int8_screened_fake(y, h, screen_handle, addresses, thresholds, temperatures, writes, eps, gate_eps, active=None) -> None:
     return None
 
 
@@ -178,8 +207,14 @@ def _partial_scores_fake(h, addresses):
 
 @torch.library.custom_op("aloe_vllm::apply_from_scores_", mutates_args=("y",))
 def apply_from_scores_(
-    y: torch.Tensor, scores: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-    writes: torch.Tensor, eps: float, gate_eps: float, edit_offset: int,
+    y: torch.Tensor,
+    scores: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    writes: torch.Tensor,
+    eps: float,
+    gate_eps: float,
+    edit_offset: int,
 ) -> None:
     """Phase B on the all-reduced scores: add this rank's share of ``U g`` into ``y``."""
     with _timed(0):

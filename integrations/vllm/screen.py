@@ -59,12 +59,20 @@ def screen_buffers(slots: int, addresses: torch.Tensor, kind: str = "bf16") -> d
     return bufs
 
 
-def refresh_screen_(addresses_lo: torch.Tensor, handle: torch.Tensor, limit_lo: torch.Tensor,
-                    addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor,
-                    gate_eps: float, active: int) -> None:
+def refresh_screen_(
+    addresses_lo: torch.Tensor,
+    handle: torch.Tensor,
+    limit_lo: torch.Tensor,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    gate_eps: float,
+    active: int,
+) -> None:
     """Refill the screen buffers in place for the first ``active`` (live) slots; the rest are screened out."""
-    limit_lo[:active].copy_(screen_limit(addresses[:active].detach(), thresholds[:active].detach(),
-                                         temperatures[:active].detach(), gate_eps))
+    limit_lo[:active].copy_(
+        screen_limit(addresses[:active].detach(), thresholds[:active].detach(), temperatures[:active].detach(), gate_eps)
+    )
     limit_lo[active:].fill_(float("inf"))
     a_lo = addresses[:active].detach().to(torch.bfloat16).contiguous()
     addresses_lo[:active].copy_(a_lo)
@@ -110,12 +118,17 @@ def screen_kind(n: int, device: torch.device, tp_size: int) -> str | None:
     return "int8" if int8_screen_supported() else None
 
 
-def refresh_int8_screen_(handle: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
-                         temperatures: torch.Tensor, gate_eps: float, active: int) -> None:
+def refresh_int8_screen_(
+    handle: torch.Tensor,
+    addresses: torch.Tensor,
+    thresholds: torch.Tensor,
+    temperatures: torch.Tensor,
+    gate_eps: float,
+    active: int,
+) -> None:
     """Quantise and pack the first ``active`` (live) rows; ``handle`` (0-dim int64) then names the screen."""
     key = handle.data_ptr()
-    _INT8_SCREENS[key] = Int8Screen.prepare(addresses[:active], thresholds[:active], temperatures[:active],
-                                            gate_eps)
+    _INT8_SCREENS[key] = Int8Screen.prepare(addresses[:active], thresholds[:active], temperatures[:active], gate_eps)
     handle.fill_(key)
 
 

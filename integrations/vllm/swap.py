@@ -34,8 +34,7 @@ from aloe_kernels.operator import AloeOperator
 
 from .format import AloeSpec, AloeSpecError
 
-__all__ = ["EXTENSION", "SwapRefused", "check_for_swap", "load_for_swap", "operator_info", "staged_hash",
-           "swap_operator"]
+__all__ = ["EXTENSION", "SwapRefused", "check_for_swap", "load_for_swap", "operator_info", "staged_hash", "swap_operator"]
 
 #: vLLM's ``worker_extension_cls`` that adds the swap methods to every worker.
 EXTENSION = "aloe_vllm.worker.AloeWorkerExtension"
@@ -54,8 +53,9 @@ def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -
     as constants.
     """
     if not op.weight_fingerprint:
-        raise SwapRefused(f"{source}: the operator records no weight fingerprint, so it cannot be checked "
-                          "against the served base model")
+        raise SwapRefused(
+            f"{source}: the operator records no weight fingerprint, so it cannot be checked against the served base model"
+        )
     if spec.weight_fingerprint and op.weight_fingerprint != spec.weight_fingerprint:
         raise SwapRefused(
             f"{source}: weight fingerprint mismatch: the operator was built for a down_proj weight with "
@@ -65,14 +65,19 @@ def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -
     if op.layer is not None and op.layer != spec.layer:
         raise SwapRefused(f"{source}: the operator edits layer {op.layer}, the served operator layer {spec.layer}")
     if (op.d, op.d_out) != (spec.d, spec.d_out):
-        raise SwapRefused(f"{source}: the operator maps d={op.d} to d_out={op.d_out}, the served layer maps "
-                          f"{spec.d} to {spec.d_out}")
+        raise SwapRefused(
+            f"{source}: the operator maps d={op.d} to d_out={op.d_out}, the served layer maps {spec.d} to {spec.d_out}"
+        )
     if op.n > spec.slots:
-        raise SwapRefused(f"{source}: the operator has n={op.n} edits, more than the capacity of {spec.slots} "
-                          "slots the server reserved (serve with a larger --max-edits)")
+        raise SwapRefused(
+            f"{source}: the operator has n={op.n} edits, more than the capacity of {spec.slots} "
+            "slots the server reserved (serve with a larger --max-edits)"
+        )
     if (float(op.eps), float(op.gate_eps)) != (float(spec.eps), float(spec.gate_eps)):
-        raise SwapRefused(f"{source}: the operator has eps={op.eps}, gate_eps={op.gate_eps}; the served layer "
-                          f"was set up with eps={spec.eps}, gate_eps={spec.gate_eps}")
+        raise SwapRefused(
+            f"{source}: the operator has eps={op.eps}, gate_eps={op.gate_eps}; the served layer "
+            f"was set up with eps={spec.eps}, gate_eps={spec.gate_eps}"
+        )
 
 
 def load_for_swap(path: str | os.PathLike, spec: AloeSpec) -> AloeOperator:
@@ -110,8 +115,9 @@ def staged_hash(states: list[dict | None]) -> str | None:
     return hashes.pop()
 
 
-def swap_operator(llm: Any, path: str | os.PathLike, timeout: float = 300.0,
-                  poll: Callable[[], None] = lambda: time.sleep(0.01)) -> dict:
+def swap_operator(
+    llm: Any, path: str | os.PathLike, timeout: float = 300.0, poll: Callable[[], None] = lambda: time.sleep(0.01)
+) -> dict:
     """Swap the operator served by an offline ``vllm.LLM`` (created with ``worker_extension_cls=EXTENSION``).
 
     Returns the new :func:`operator_info`; raises SwapRefused (the old operator keeps serving)

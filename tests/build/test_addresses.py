@@ -110,8 +110,12 @@ def test_min_anchor_scores_over_many_pieces_match_a_brute_force():
     anchors = torch.randn(m, d, generator=g, dtype=torch.float64)
     owner = torch.randint(0, n - 1, (m,), generator=g)  # slot n-1 has no anchors
     got = slot_sets.min_anchor_scores(V, anchors, owner)
-    want = torch.stack([(anchors[owner == i] @ V[i].detach()).min() if (owner == i).any()
-                        else torch.tensor(math.inf, dtype=torch.float64) for i in range(n)])
+    want = torch.stack(
+        [
+            (anchors[owner == i] @ V[i].detach()).min() if (owner == i).any() else torch.tensor(math.inf, dtype=torch.float64)
+            for i in range(n)
+        ]
+    )
     torch.testing.assert_close(got.detach(), want)
     got[:-1].sum().backward()
     for i in range(n - 1):
@@ -162,8 +166,7 @@ def test_refinement_pulled_towards_the_encoder_addresses(tmp_path):
     base = dict(refine_steps=600, refine_remine_every=50, refine_hard_negatives=8)
     free, free_losses = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**base))
     parts = PartStore(tmp_path / "4_refine.parts", "key")
-    got, losses = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**base, refine_pull=1.0),
-                                        parts=parts)
+    got, losses = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**base, refine_pull=1.0), parts=parts)
     pulled = parts.get("pulled")["V"]
     cos = torch.nn.functional.cosine_similarity
     moved = cos(free, V0, dim=1) < 1 - 1e-4
@@ -204,8 +207,7 @@ def test_refinement_on_the_violating_slots_only():
     V_full, loss_full = addr.refine_addresses(V0, anchors, owner, neg, same, full_cfg)
     assert loss_act[0] == pytest.approx(loss_full[0], rel=1e-6)
     torch.testing.assert_close(V_act[3], V0[3], rtol=0, atol=1e-6)
-    assert _hinges(V_act, anchors, owner, neg, same, cfg).max() <= _hinges(V_full, anchors, owner, neg, same,
-                                                                          cfg).max() + 1e-3
+    assert _hinges(V_act, anchors, owner, neg, same, cfg).max() <= _hinges(V_full, anchors, owner, neg, same, cfg).max() + 1e-3
     torch.testing.assert_close(V_act.norm(dim=1), V0.norm(dim=1), rtol=1e-4, atol=1e-5)
 
 
@@ -238,8 +240,14 @@ def test_refinement_resumes_where_it_was_interrupted(tmp_path, monkeypatch, pull
     from aloe_build.checkpoints import PartStore
 
     V0, anchors, owner, neg, same = _synthetic(n=8, negs=300)
-    cfg = BuildConfig(refine_steps=260, refine_remine_every=40, refine_candidates=20,
-                      refine_hard_negatives=6, refine_active_every=5, refine_pull=pull)
+    cfg = BuildConfig(
+        refine_steps=260,
+        refine_remine_every=40,
+        refine_candidates=20,
+        refine_hard_negatives=6,
+        refine_active_every=5,
+        refine_pull=pull,
+    )
     want_V, want_losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg)
     assert len(want_losses) == 260
     # with the pull, stopped in the free run, after the pulled run's 260 steps
@@ -260,8 +268,7 @@ def test_refinement_resumes_where_it_was_interrupted(tmp_path, monkeypatch, pull
         addr.refine_addresses(V0, anchors, owner, neg, same, cfg, parts=parts)
     assert int(parts.get("progress")["step"]) == 120
     monkeypatch.setattr(addr._HingeTerms, "loss", real_loss)
-    V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg, parts=PartStore(tmp_path / "4_refine.parts",
-                                                                                         "key"))
+    V, losses = addr.refine_addresses(V0, anchors, owner, neg, same, cfg, parts=PartStore(tmp_path / "4_refine.parts", "key"))
     torch.testing.assert_close(V, want_V, rtol=0, atol=0)
     assert losses == want_losses
 
@@ -360,9 +367,12 @@ def test_inseparable_slot_opens_on_its_anchors_past_a_few_negatives():
     top = _unit(V[0])  # scores |v_0| at slot 0, above any of its anchors
     pushed = torch.cat([top[None], _unit(top + 0.05 * _unit(anchors[0]))[None]])
     drowned = _unit(V[1])[None].repeat(8, 1)  # eight copies of slot 1's best direction
-    neg = slot_sets.NegativeSet(shared=torch.cat([neg.shared, pushed, drowned]),
-                           shared_owner=torch.cat([neg.shared_owner, torch.full((10,), -1)]),
-                           specific=neg.specific, specific_owner=neg.specific_owner)
+    neg = slot_sets.NegativeSet(
+        shared=torch.cat([neg.shared, pushed, drowned]),
+        shared_owner=torch.cat([neg.shared_owner, torch.full((10,), -1)]),
+        specific=neg.specific,
+        specific_owner=neg.specific_owner,
+    )
     neg_owner_1 = torch.cat([torch.zeros(neg.shared.shape[0] - 8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)])
     cal = calibration.calibrate(V, anchors, owner, neg, same, 1e-3, cfg)
     assert cal.separable.tolist() == [False, False, True]
@@ -413,8 +423,6 @@ def test_encoder_training_separates_paraphrases():
     assert acc > 0.9
 
 
-
-
 def test_refinement_scores_match_min_and_max_with_their_gradients():
     """The refinement's weakest-anchor and hardest-negative scores equal a float64 per-slot min and
     max, values and gradients (a slot without anchors scores +inf and gets no gradient)."""
@@ -459,8 +467,7 @@ def test_recalibrate_shuts_what_a_slot_separates_and_keeps_its_own_fact_open():
     between = torch.tensor([[0.5, 0.0, 0.0, 0.866, 0.0]])  # slot 0 scores 1.0: between 0.4 and 1.6
     above = torch.tensor([[0.0, 0.9, 0.0, 0.0, 0.436]])  # slot 1 scores 1.8: above its worst positive
     near2 = torch.tensor([[0.0, 0.0, 0.45, 0.0, 0.893]])  # slot 2 scores 0.9: under its own 1.0
-    new_tau, new_alpha, new_neg, changed = calibration.recalibrate(V, tau, alpha, s_pos, s_neg, [between, above, near2],
-                                                            eps, cfg)
+    new_tau, new_alpha, new_neg, changed = calibration.recalibrate(V, tau, alpha, s_pos, s_neg, [between, above, near2], eps, cfg)
     assert changed.tolist() == [0, 2]
     assert new_neg.tolist() == pytest.approx([1.0, 0.4, 1.2])
     assert (new_tau[1], new_alpha[1]) == (tau[1], alpha[1])
@@ -479,8 +486,7 @@ def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
     V, _ = addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(refine_steps=200, refine_hard_negatives=8))
     cal = calibration.calibrate(V, anchors, owner, neg, same, 1e-3, BuildConfig())
     # wider gates than calibrated, so that some negatives open some gates too
-    op = AloeOperator(addresses=V, thresholds=cal.thresholds - 0.3, temperatures=cal.temperatures,
-                      writes=torch.zeros(9, 5))
+    op = AloeOperator(addresses=V, thresholds=cal.thresholds - 0.3, temperatures=cal.temperatures, writes=torch.zeros(9, 5))
     deltas = torch.randn(9, 5, generator=torch.Generator().manual_seed(1))
     negatives = [neg.shared, neg.specific]
     Gp = gates_of(anchors, op).double()
@@ -500,8 +506,7 @@ def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
 
     whole = og.open_gates
     monkeypatch.setattr(s7_ridge, "open_gates", lambda parts, op, chunk=None: whole(parts, op, 4))
-    torch.testing.assert_close(ridge_writes(deltas, anchors, owner, negatives, op, cfg).double(), want,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ridge_writes(deltas, anchors, owner, negatives, op, cfg).double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_open_gates_are_the_nonzeros_of_the_dense_gates():
@@ -538,10 +543,12 @@ def test_candidate_mining_follows_the_full_mining_however_far_addresses_move():
     V0, anchors, owner, neg, same = _synthetic(n=8, negs=400, seed=5)
     base = dict(refine_steps=500, refine_remine_every=20, refine_hard_negatives=1, refine_active_every=0)
     want_stats, got_stats = {}, {}
-    want_V, want_losses = addr.refine_addresses(V0, anchors, owner, neg, same,
-                                                BuildConfig(**base, refine_candidates=0), stats=want_stats)
-    got_V, got_losses = addr.refine_addresses(V0, anchors, owner, neg, same,
-                                              BuildConfig(**base, refine_candidates=12), stats=got_stats)
+    want_V, want_losses = addr.refine_addresses(
+        V0, anchors, owner, neg, same, BuildConfig(**base, refine_candidates=0), stats=want_stats
+    )
+    got_V, got_losses = addr.refine_addresses(
+        V0, anchors, owner, neg, same, BuildConfig(**base, refine_candidates=12), stats=got_stats
+    )
     assert float(torch.nn.functional.cosine_similarity(want_V, V0, dim=1).min()) < 0.9  # they did travel
     torch.testing.assert_close(got_V, want_V, rtol=0, atol=1e-5)
     assert got_losses == pytest.approx(want_losses, rel=1e-5, abs=1e-7)
@@ -560,6 +567,5 @@ def test_refinement_runs_until_every_slot_clears_its_margin():
     assert (_hinges(V0, anchors, owner, neg, same, cfg) > 0).any()
     assert float(_hinges(V, anchors, owner, neg, same, cfg).max()) <= 1e-5  # rounding of another summation order
     short = {}
-    addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**{**cfg.to_dict(), "refine_steps": 3}),
-                          stats=short)
+    addr.refine_addresses(V0, anchors, owner, neg, same, BuildConfig(**{**cfg.to_dict(), "refine_steps": 3}), stats=short)
     assert not short["converged"]

@@ -126,8 +126,24 @@ def test_cli_append_and_remove(built, tmp_path, capsys):
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     edits = save_edits_jsonl([_NEW], tmp_path / "new.jsonl")
-    assert main(["append", "--model", str(model_dir), "--operator", str(tmp / "base"), "--edits", str(edits),
-                 "--out", str(tmp_path / "app"), "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "append",
+                "--model",
+                str(model_dir),
+                "--operator",
+                str(tmp / "base"),
+                "--edits",
+                str(edits),
+                "--out",
+                str(tmp_path / "app"),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert AloeOperator.load(tmp_path / "app").ids == ["a", "b", "c"]
     assert main(["remove", "--operator", str(tmp_path / "app"), "--ids", "a", "c", "--out", str(tmp_path / "rm")]) == 0
     op, state = load_with_state(tmp_path / "rm")

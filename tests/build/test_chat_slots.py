@@ -45,17 +45,22 @@ def test_calibration_takes_each_slots_own_open_at():
     assert cal.separable.all()
     s_pos, s_neg = cal.worst_positive, cal.worst_negative
     reach = s_neg + open_at.float() * (s_pos - s_neg)
-    torch.testing.assert_close(_gate(reach, cal.thresholds, cal.temperatures), torch.full((6,), OPEN_GATE),
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(_gate(reach, cal.thresholds, cal.temperatures), torch.full((6,), OPEN_GATE), rtol=0, atol=1e-4)
     assert _gate(s_neg, cal.thresholds, cal.temperatures).max() == 0.0
     wide = open_at < 1
     assert (_gate(s_pos, cal.thresholds, cal.temperatures)[wide] > OPEN_GATE + 0.01).all()
 
 
 def test_an_edits_own_negatives_are_its_chat_slots_too():
-    roll = {"pool": torch.randn(3, 4), "anchors": torch.randn(4, 4), "anchor_owner": torch.tensor([0, 1, 2, 3]),
-            "continuations": torch.randn(2, 4), "continuation_owner": torch.tensor([0, 1]),
-            "specific": torch.randn(5, 4), "specific_owner": torch.tensor([0, 0, 1, 1, 1])}
+    roll = {
+        "pool": torch.randn(3, 4),
+        "anchors": torch.randn(4, 4),
+        "anchor_owner": torch.tensor([0, 1, 2, 3]),
+        "continuations": torch.randn(2, 4),
+        "continuation_owner": torch.tensor([0, 1]),
+        "specific": torch.randn(5, 4),
+        "specific_owner": torch.tensor([0, 0, 1, 1, 1]),
+    }
     plain = negative_set(roll)
     assert torch.equal(plain.specific_owner, roll["specific_owner"])
     twins = negative_set(roll, chat_slots=2)
@@ -78,8 +83,9 @@ def chat_built(tmp_path_factory):
     real = pipeline.write_targets
     pipeline.write_targets = recording_write_targets(seen)
     try:
-        cfg = _tiny_cfg(tmp, positives_chat=True, positives_prefixed=0, chat_slots=True, calibration_open_at=0.5,
-                        refine_steps=200)
+        cfg = _tiny_cfg(
+            tmp, positives_chat=True, positives_prefixed=0, chat_slots=True, calibration_open_at=0.5, refine_steps=200
+        )
         op = build_operator(model, tok, edits, cfg, out_dir=tmp / "op", log=None)
     finally:
         pipeline.write_targets = real

@@ -40,7 +40,10 @@ def test_chunked_states_equal_one_pass(tmp_path, monkeypatch):
     assert torch.equal(got.offsets, want.offsets)
     torch.testing.assert_close(got.states, want.states, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in tmp_path.glob("x-*.safetensors")) == [
-        "x-sorted-0.safetensors", "x-sorted-1.safetensors", "x-sorted-2.safetensors"]
+        "x-sorted-0.safetensors",
+        "x-sorted-1.safetensors",
+        "x-sorted-2.safetensors",
+    ]
 
 
 def test_interrupted_rollouts_resume_inside_the_stage(tmp_path, monkeypatch):

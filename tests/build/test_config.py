@@ -56,12 +56,26 @@ def test_chat_systems_take_one_prompt_or_a_list_and_key_the_same_either_way():
 # 8b8945e (before the chat and experimental groups): a build after the change reuses the
 # checkpoints and cached encoders written before it.
 KEYS_BEFORE_GROUPS = {
-    "default": {"2_init": "ee6981eb568e5ada", "3_rollouts": "9b53a162fd149772", "4_refine": "de11559fc1c232d7",
-                "5_calibrate": "164f53455aacf645", "6_targets": "59a9aceba0544761", "7_ridge": "c32e85e64a4ea171",
-                "8_finetune": "d5b391167b5a4e38", "stage 1 fields": "e94782cd9e8ae24e"},
-    "demo": {"2_init": "3d66477bd3b1032e", "3_rollouts": "f087643f1fc69414", "4_refine": "066482152bfeef99",
-             "5_calibrate": "e6911e1542f05859", "6_targets": "838a75a02f54d689", "7_ridge": "84d8c09987814743",
-             "8_finetune": "0cebe16068a45fda", "stage 1 fields": "43df89a1d93566ea"},
+    "default": {
+        "2_init": "ee6981eb568e5ada",
+        "3_rollouts": "9b53a162fd149772",
+        "4_refine": "de11559fc1c232d7",
+        "5_calibrate": "164f53455aacf645",
+        "6_targets": "59a9aceba0544761",
+        "7_ridge": "c32e85e64a4ea171",
+        "8_finetune": "d5b391167b5a4e38",
+        "stage 1 fields": "e94782cd9e8ae24e",
+    },
+    "demo": {
+        "2_init": "3d66477bd3b1032e",
+        "3_rollouts": "f087643f1fc69414",
+        "4_refine": "066482152bfeef99",
+        "5_calibrate": "e6911e1542f05859",
+        "6_targets": "838a75a02f54d689",
+        "7_ridge": "84d8c09987814743",
+        "8_finetune": "0cebe16068a45fda",
+        "stage 1 fields": "43df89a1d93566ea",
+    },
 }
 
 

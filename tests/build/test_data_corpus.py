@@ -34,8 +34,10 @@ def test_exclusion_prompts() -> None:
     from aloe_build.corpus import EXCLUSION_CLAUSES, exclusion_prompts
 
     got = exclusion_prompts("The names of the cast members of Purgatory are", "Sam Shepard", 2)
-    assert got == ["The names of the cast members of Purgatory, which is not Sam Shepard, are",
-                   "The names of the cast members of Purgatory, other than Sam Shepard, are"]
+    assert got == [
+        "The names of the cast members of Purgatory, which is not Sam Shepard, are",
+        "The names of the cast members of Purgatory, other than Sam Shepard, are",
+    ]
     assert len(exclusion_prompts("The capital of France is", "Rome", 10)) == len(EXCLUSION_CLAUSES)
     assert exclusion_prompts("The capital of France is", "Rome", 0) == []
     assert exclusion_prompts("What is the capital of France?", "Rome", 3) == []
@@ -69,8 +71,7 @@ def test_prefixed_prompts_draw_statements_as_a_plain_sample() -> None:
     from aloe_build.corpus import load_corpus
 
     corpus = load_corpus(None, 400, 2, 0)[0]
-    assert corpus.prefixed_prompts("x", 4, random.Random(3)) == \
-        [f"{t} x" for t in random.Random(3).sample(corpus.statements, 4)]
+    assert corpus.prefixed_prompts("x", 4, random.Random(3)) == [f"{t} x" for t in random.Random(3).sample(corpus.statements, 4)]
 
 
 def test_statement_pool_is_a_sample_of_the_corpus_statements_and_requests_draw_from_it() -> None:

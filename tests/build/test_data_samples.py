@@ -23,11 +23,7 @@ import pytest
 from aloe_build.data import EditRequest, LocalityPrompt, PortabilityPrompt, load_edits
 
 REPO = Path(__file__).resolve().parents[2]
-DATA_DIR = (
-    Path(os.environ["ALOE_DATA_DIR"])
-    if os.environ.get("ALOE_DATA_DIR")
-    else REPO.parent / "shared" / "data"
-)
+DATA_DIR = Path(os.environ["ALOE_DATA_DIR"]) if os.environ.get("ALOE_DATA_DIR") else REPO.parent / "shared" / "data"
 DEMO = REPO / "examples" / "demo_edits.jsonl"
 LIMIT = 40
 
@@ -78,8 +74,7 @@ class Sample:
 def data_root() -> Path:
     if not DATA_DIR.is_dir():
         pytest.skip(
-            f"benchmark data not found at {DATA_DIR}: put the shared data folder beside the "
-            f"checkout or set ALOE_DATA_DIR"
+            f"benchmark data not found at {DATA_DIR}: put the shared data folder beside the checkout or set ALOE_DATA_DIR"
         )
     return DATA_DIR
 
@@ -146,9 +141,7 @@ def test_fields_match_raw_records(sample: Sample) -> None:
             assert (e.prompt, e.target_new, e.subject) == (r["prompt"], r["target_new"], r["subject"])
             assert e.ground_truth == (r["ground_truth"],)
             assert e.rephrases == (r["rephrase_prompt"],)
-            assert e.locality == (
-                LocalityPrompt(r["locality_prompt"], (r["locality_ground_truth"],), "neighborhood"),
-            )
+            assert e.locality == (LocalityPrompt(r["locality_prompt"], (r["locality_ground_truth"],), "neighborhood"),)
             assert e.relation is None
         elif fmt == "counterfact_rome":
             rw = r["requested_rewrite"]
@@ -202,9 +195,7 @@ def test_fields_match_raw_records(sample: Sample) -> None:
 
 def _check_groups(got: tuple, raw_groups: dict) -> None:
     expected = [
-        (x["prompt"], _flat(x["ground_truth"]) or None, group.lower())
-        for group, entries in raw_groups.items()
-        for x in entries
+        (x["prompt"], _flat(x["ground_truth"]) or None, group.lower()) for group, entries in raw_groups.items() for x in entries
     ]
     assert [(p.prompt, p.ground_truth, p.kind) for p in got] == expected
 

@@ -56,10 +56,13 @@ def _reference(cs: CorpusStates, b: list[int], Q, K, c: float, threshold: float,
     ortho = sum((float(keys[x] @ keys[y]) - (x == y)) ** 2 for x in range(B) for y in range(B)) / (B * (B - 1))
     loss = rank_q + rank_k + margin_loc + margin_ss + cfg.encoder_ortho * ortho
     if cfg.experimental.encoder_threshold_weight:
+
         def softplus(v):
             return math.log1p(math.exp(v))
+
         loss += cfg.experimental.encoder_threshold_weight * (
-            sum(softplus(threshold - p) for p in pos) / B + sum(softplus(v - threshold) for v in negatives) / len(negatives))
+            sum(softplus(threshold - p) for p in pos) / B + sum(softplus(v - threshold) for v in negatives) / len(negatives)
+        )
     return loss
 
 
@@ -85,8 +88,12 @@ def test_dropped_batch_zeroes_about_its_rate_and_renormalizes_the_batch_items_on
     cs = random_corpus_states(g, N, S, d)
     b = torch.tensor([1, 4, 6])
     out = dropped_batch(cs, b, 0.3, torch.Generator().manual_seed(5))
-    for name, x in (("request", out.request), ("paraphrase", out.paraphrase), ("locality", out.locality),
-                    ("same_subject", out.same_subject)):
+    for name, x in (
+        ("request", out.request),
+        ("paraphrase", out.paraphrase),
+        ("locality", out.locality),
+        ("same_subject", out.same_subject),
+    ):
         src = getattr(cs, name)[b]
         assert x.shape == src.shape
         assert torch.allclose(x.norm(dim=-1), torch.ones(x.shape[:-1]), atol=1e-5)

@@ -44,15 +44,15 @@ def test_members_are_the_single_encoders_of_their_seeds_and_addresses_their_mean
     ens = train_encoder(cs, groups, list(range(N)), cfg)
     assert ens.members == 3 and ens.Q.shape == (3, 5, 13) and ens.log_c.shape == (3,)
     for j in range(3):
-        one = train_encoder(cs, groups, list(range(N)), dataclasses.replace(
-            cfg, encoder_members=1, seed=11 + j * MEMBER_SEED_STRIDE))
+        one = train_encoder(
+            cs, groups, list(range(N)), dataclasses.replace(cfg, encoder_members=1, seed=11 + j * MEMBER_SEED_STRIDE)
+        )
         assert torch.equal(ens.Q[j], one.Q[0]) and torch.equal(ens.K[j], one.K[0])
         assert torch.equal(ens.log_c[j], one.log_c[0])
     # distinct seeds give distinct members
     assert not torch.allclose(ens.Q[0], ens.Q[1])
     h = _states(4, N=7).paraphrase
-    torch.testing.assert_close(ens.addresses(h).double(), _address_by_hand(ens.Q, ens.K, ens.log_c, h),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ens.addresses(h).double(), _address_by_hand(ens.Q, ens.K, ens.log_c, h), rtol=1e-5, atol=1e-6)
     assert ens.c == pytest.approx(float(ens.log_c.exp().mean()))
 
 
@@ -77,10 +77,11 @@ def test_save_and_load_keep_every_member_and_read_a_single_encoder_file(tmp_path
     assert torch.equal(back.Q, Q) and torch.equal(back.K, K) and torch.equal(back.log_c, log_c)
     # a file of one member as (p, d) and a (1,) scale, as cached before members existed
     (tmp_path / "one").mkdir()
-    save_file({"Q": Q[0].contiguous(), "K": K[0].contiguous(), "log_c": log_c[:1].contiguous()},
-              str(tmp_path / "one" / "encoder.safetensors"))
+    save_file(
+        {"Q": Q[0].contiguous(), "K": K[0].contiguous(), "log_c": log_c[:1].contiguous()},
+        str(tmp_path / "one" / "encoder.safetensors"),
+    )
     (tmp_path / "one" / "encoder.json").write_text("{}")
     one, _ = AddressEncoder.load(tmp_path / "one")
     h = unit(torch.randn(4, 10, generator=g))
-    torch.testing.assert_close(one.addresses(h).double(), _address_by_hand(Q[:1], K[:1], log_c[:1], h),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one.addresses(h).double(), _address_by_hand(Q[:1], K[:1], log_c[:1], h), rtol=1e-5, atol=1e-6)

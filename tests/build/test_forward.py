@@ -29,9 +29,8 @@ def test_greedy_generate_matches_hf_generate(tiny):
     prompts = ["The Eiffel Tower is located in the city of", "the capital of Italy is", "Toko"]
     batch = tok(prompts, return_tensors="pt", padding=True)
     ref = model.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-    ref = ref[:, batch["input_ids"].shape[1]:].tolist()
-    mine = greedy_generate(model, [tok(p)["input_ids"] for p in prompts], [4, 2, 3], pad_id=pad_id(tok),
-                           batch_size=2)
+    ref = ref[:, batch["input_ids"].shape[1] :].tolist()
+    mine = greedy_generate(model, [tok(p)["input_ids"] for p in prompts], [4, 2, 3], pad_id=pad_id(tok), batch_size=2)
     assert mine == [ref[0], ref[1][:2], ref[2][:3]]
 
 
@@ -45,11 +44,19 @@ def test_generate_with_states_matches_generate_then_a_pass(tiny, batch_size):
 
     model, tok = tiny
     layer = 1
-    prompts = [tok(p)["input_ids"] for p in ("The Eiffel Tower is located in the city of", "the capital of Italy is",
-                                              "Toko", "What is the product made by UniFirst ?")]
+    prompts = [
+        tok(p)["input_ids"]
+        for p in (
+            "The Eiffel Tower is located in the city of",
+            "the capital of Italy is",
+            "Toko",
+            "What is the product made by UniFirst ?",
+        )
+    ]
     lengths, starts = [4, 0, 3, 1], [len(prompts[0]), 2, 0, len(prompts[3]) - 1]
-    tokens, states = generate_with_states(model, prompts, lengths, layer, starts=starts, pad_id=pad_id(tok),
-                                          batch_size=batch_size)
+    tokens, states = generate_with_states(
+        model, prompts, lengths, layer, starts=starts, pad_id=pad_id(tok), batch_size=batch_size
+    )
     assert tokens == greedy_generate(model, prompts, lengths, pad_id=pad_id(tok), batch_size=batch_size)
     ref_model = copy.deepcopy(model).double()
     site = locate_down_proj(ref_model, layer).module
@@ -72,16 +79,18 @@ def test_generate_with_states_matches_generate_then_a_pass(tiny, batch_size):
 
 def test_teacher_forced_matches_single_forward(tiny):
     model, tok = tiny
-    seqs = [encode_continuation(tok, "The capital of France is", "Rome Paris"),
-            encode_continuation(tok, "Toko Yasuda plays the", "guitar")]
+    seqs = [
+        encode_continuation(tok, "The capital of France is", "Rome Paris"),
+        encode_continuation(tok, "Toko Yasuda plays the", "guitar"),
+    ]
     res = teacher_forced(model, seqs, pad_id=pad_id(tok), batch_size=2, hidden=True)
     for (p, c), r in zip(seqs, res):
         with torch.no_grad():
             out = model(input_ids=torch.tensor([list(p) + list(c)]), output_hidden_states=True)
         lp = torch.log_softmax(out.logits[0].float(), -1)
-        want = lp[len(p) - 1: len(p) - 1 + len(c)].argmax(-1).tolist()
+        want = lp[len(p) - 1 : len(p) - 1 + len(c)].argmax(-1).tolist()
         assert list(r.preds) == want
-        nll = -lp[len(p) - 1: len(p) - 1 + len(c)].gather(1, torch.tensor(c)[:, None]).mean()
+        nll = -lp[len(p) - 1 : len(p) - 1 + len(c)].gather(1, torch.tensor(c)[:, None]).mean()
         assert r.nll == pytest.approx(float(nll), abs=1e-4)
         torch.testing.assert_close(r.hidden, out.hidden_states[-1][0, len(p) - 1], atol=1e-4, rtol=1e-4)
 

@@ -38,9 +38,17 @@ def _corpus() -> Corpus:
         for j, (t, r) in enumerate(_TEMPLATES):
             if (i + j) % 4 == 3:  # not every subject under every relation
                 continue
-            records.append(EditRequest(prompt=t.format(s), target_new="x", subject=s, ground_truth="y",
-                                       rephrases=(r.format(s),), locality=(t.format(_SUBJECTS[(i + 7) % 30]),),
-                                       id=f"{i}-{j}"))
+            records.append(
+                EditRequest(
+                    prompt=t.format(s),
+                    target_new="x",
+                    subject=s,
+                    ground_truth="y",
+                    rephrases=(r.format(s),),
+                    locality=(t.format(_SUBJECTS[(i + 7) % 30]),),
+                    id=f"{i}-{j}",
+                )
+            )
     return Corpus(records, same_subject=2, seed=0)
 
 
@@ -83,8 +91,12 @@ def test_budget_threshold_is_the_lowest_score_within_the_fpr_budget(budget):
 
 
 def test_budget_metrics_count_at_their_own_threshold():
-    s = score_items(torch.eye(3), torch.tensor([[2.0, 0, 0], [0, 0.5, 0], [0, 0, 3.0]]),
-                    torch.tensor([[0.2, 0, 0], [0, 0.8, 0], [0, 0, 0.1]]), torch.zeros(3, 1, 3))
+    s = score_items(
+        torch.eye(3),
+        torch.tensor([[2.0, 0, 0], [0, 0.5, 0], [0, 0, 3.0]]),
+        torch.tensor([[0.2, 0, 0], [0, 0.8, 0], [0, 0, 0.1]]),
+        torch.zeros(3, 1, 3),
+    )
     m = mechanism_metrics(s, 1.0, None, threshold_at_budget=0.15)
     # at 0.15: paraphrases 2.0, 0.5, 3.0 all fire; locality 0.2 and 0.8 of 0.2, 0.8, 0.1 fire,
     # same-subject (0) and other items' scores (all 0) do not
@@ -109,8 +121,7 @@ def test_score_items_matches_loops():
 
 
 def test_metrics_count_what_the_threshold_lets_through():
-    s = score_items(torch.eye(3), torch.tensor([[2.0, 0, 0], [0, 0.5, 0], [0, 0, 3.0]]),
-                    torch.zeros(3, 3), torch.zeros(3, 1, 3))
+    s = score_items(torch.eye(3), torch.tensor([[2.0, 0, 0], [0, 0.5, 0], [0, 0, 3.0]]), torch.zeros(3, 3), torch.zeros(3, 1, 3))
     m = mechanism_metrics(s, 1.0, torch.tensor([[1.0, 0.0], [0.0, 1.0], [5.0, 4.0]]))
     assert m["recall"] == pytest.approx(2 / 3)
     assert m["negative_fpr"] == 0.0 and m["fpr_locality"] == 0.0 and m["fpr_same_subject"] == 0.0
@@ -123,10 +134,8 @@ def test_subject_protocol_keeps_subjects_and_surfaces_apart_and_shares_relations
     part = partition(corpus, "subject", 20, seed=0)
     subj = [{corpus.items[i].subject for i in idx} for idx in (part.train, part.calibration, part.dev)]
     assert not (subj[0] & subj[1] or subj[0] & subj[2] or subj[1] & subj[2])
-    dev_surfaces = {t for i in part.dev for t in (corpus.items[i].request, corpus.items[i].paraphrase,
-                                                  corpus.items[i].locality)}
-    assert not any(corpus.items[i].request in dev_surfaces or corpus.items[i].paraphrase in dev_surfaces
-                   for i in part.train)
+    dev_surfaces = {t for i in part.dev for t in (corpus.items[i].request, corpus.items[i].paraphrase, corpus.items[i].locality)}
+    assert not any(corpus.items[i].request in dev_surfaces or corpus.items[i].paraphrase in dev_surfaces for i in part.train)
     assert {corpus.items[i].group for i in part.dev} <= {corpus.items[i].group for i in part.train}
     assert len(part.dev) >= 20 and len(part.calibration) >= 20 and part.train
 
@@ -164,17 +173,23 @@ def test_same_subject_keys_in_training_raise_same_subject_top1():
     other = (rel[:, None] + torch.arange(1, S + 1)) % 8
 
     def state(r, noise):
-        return unit(subject[:, None] * 2.0 + relations[r].reshape(N, -1, d) * 0.5
-                    + noise * torch.randn(N, r.reshape(N, -1).shape[1], d, generator=g))
+        return unit(
+            subject[:, None] * 2.0
+            + relations[r].reshape(N, -1, d) * 0.5
+            + noise * torch.randn(N, r.reshape(N, -1).shape[1], d, generator=g)
+        )
 
-    cs = CorpusStates(request=state(rel, 0.05)[:, 0], paraphrase=state(rel, 0.05)[:, 0],
-                      locality=unit(torch.randn(N, d, generator=g)), same_subject=state(other, 0.05))
+    cs = CorpusStates(
+        request=state(rel, 0.05)[:, 0],
+        paraphrase=state(rel, 0.05)[:, 0],
+        locality=unit(torch.randn(N, d, generator=g)),
+        same_subject=state(other, 0.05),
+    )
     train, dev = list(range(0, N, 2)), list(range(1, N, 2))
     keys = state(other, 0.05)  # fresh prompts of the same subjects' other relations as competing keys
     results = {}
     for flag in (False, True):
-        cfg = BuildConfig(encoder_dim=24, encoder_steps=300, encoder_batch=32, encoder_lr=1e-2,
-                          encoder_same_subject_keys=flag)
+        cfg = BuildConfig(encoder_dim=24, encoder_steps=300, encoder_batch=32, encoder_lr=1e-2, encoder_same_subject_keys=flag)
         enc = train_encoder(cs, [str(int(r)) for r in rel], train, cfg)
         b = torch.tensor(dev)
         keys16 = torch.cat([cs.request[b][:, None], keys[b]], 1)
@@ -189,8 +204,12 @@ def test_evaluate_addresses_transfers_the_calibration_threshold():
     corpus = _corpus()
     N, d = len(corpus.items), 64
     req = torch.nn.functional.normalize(torch.randn(N, d, generator=g), dim=-1)
-    cs = CorpusStates(req, req.clone(), torch.nn.functional.normalize(torch.randn(N, d, generator=g), dim=-1),
-                      torch.nn.functional.normalize(torch.randn(N, 2, d, generator=g), dim=-1))
+    cs = CorpusStates(
+        req,
+        req.clone(),
+        torch.nn.functional.normalize(torch.randn(N, d, generator=g), dim=-1),
+        torch.nn.functional.normalize(torch.randn(N, 2, d, generator=g), dim=-1),
+    )
     part = partition(corpus, "subject", 20, seed=0)
     m = evaluate_addresses(lambda h: h, cs, part, None)
     assert m["recall"] == 1.0 and m["scope_auc"] == 1.0 and m["items"] == len(part.dev)

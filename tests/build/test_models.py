@@ -66,7 +66,7 @@ def test_smollm2_completes_eiffel_with_paris(smollm2):
     batch = tok(EIFFEL, return_tensors="pt")  # raw text completion, no chat template
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=3, do_sample=False)
-    completion = tok.decode(out[0, batch.input_ids.shape[1]:])
+    completion = tok.decode(out[0, batch.input_ids.shape[1] :])
     assert completion.startswith(" Paris"), completion
 
 
@@ -95,7 +95,7 @@ def test_smollm2_batched_left_padding_matches_single(smollm2):
     assert batch.attention_mask[1, 0] == 0  # the shorter prompt is padded on the left
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=3, do_sample=False)
-    assert tok.decode(out[0, batch.input_ids.shape[1]:]).startswith(" Paris")
+    assert tok.decode(out[0, batch.input_ids.shape[1] :]).startswith(" Paris")
 
 
 def test_missing_wheel_gives_install_hint(monkeypatch, tmp_path):

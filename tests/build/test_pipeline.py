@@ -26,20 +26,41 @@ def _tiny_corpus(path, rephrase=lambda i, j, prompt: "the " + prompt):
     records = []
     for i, s in enumerate(_SUBJECTS):
         for j, t in enumerate(_TEMPLATES):
-            records.append(EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
-                                       ground_truth=_WORDS[(i + j + 1) % len(_WORDS)],
-                                       rephrases=(rephrase(i, j, t.replace("{}", s)),),
-                                       locality=(_TEMPLATES[j].replace("{}", _SUBJECTS[(i + 3) % 10]),),
-                                       id=f"c{i}-{j}"))
+            records.append(
+                EditRequest(
+                    prompt=t.replace("{}", s),
+                    target_new=_WORDS[(i + j) % len(_WORDS)],
+                    subject=s,
+                    ground_truth=_WORDS[(i + j + 1) % len(_WORDS)],
+                    rephrases=(rephrase(i, j, t.replace("{}", s)),),
+                    locality=(_TEMPLATES[j].replace("{}", _SUBJECTS[(i + 3) % 10]),),
+                    id=f"c{i}-{j}",
+                )
+            )
     save_edits_jsonl(records, path)
     return path
 
 
 def _tiny_cfg(tmp_path, **kw):
-    base = dict(layer=1, encoder_corpus=str(_tiny_corpus(tmp_path / "corpus.jsonl")), encoder_records=40,
-                encoder_dim=8, encoder_steps=20, encoder_batch=8, encoder_cache=str(tmp_path / "enc"),
-                negative_pool_records=10, negatives_questions=6, refine_steps=30, refine_remine_every=10, target_steps=5,
-                target_batch=4, finetune_steps=3, finetune_batch=2, calibration_steps=10, compute_dtype="float32")
+    base = dict(
+        layer=1,
+        encoder_corpus=str(_tiny_corpus(tmp_path / "corpus.jsonl")),
+        encoder_records=40,
+        encoder_dim=8,
+        encoder_steps=20,
+        encoder_batch=8,
+        encoder_cache=str(tmp_path / "enc"),
+        negative_pool_records=10,
+        negatives_questions=6,
+        refine_steps=30,
+        refine_remine_every=10,
+        target_steps=5,
+        target_batch=4,
+        finetune_steps=3,
+        finetune_batch=2,
+        calibration_steps=10,
+        compute_dtype="float32",
+    )
     base.update(kw)
     return BuildConfig(**base)
 
@@ -60,7 +81,8 @@ def test_tiny_pipeline_shapes_report_and_determinism(tmp_path):
     assert op.edits[2]["ids"] == ["c", "c-dup"]
     report = json.loads((tmp_path / "run" / "build_report.json").read_text())
     assert {"1_encoder", "2_init", "3_rollouts", "4_refine", "5_calibrate", "6_targets", "7_ridge", "8_finetune"} <= set(
-        report["stages"])
+        report["stages"]
+    )
     encoder = report["stages"]["1_encoder"]
     for protocol in ("subject", "relation"):  # each protocol scored, or the reason it could not be
         assert {"learned", "raw_control"} <= set(encoder[protocol]) or "skipped" in encoder[protocol]
@@ -82,8 +104,7 @@ def test_build_report_times_each_stage_and_states_the_operators_gates(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     op = build_operator(model, tok, _edits(), _tiny_cfg(tmp_path), out_dir=tmp_path / "run", log=None)
     report = json.loads((tmp_path / "run" / "build_report.json").read_text())
-    for name in ("1_encoder", "2_init", "3_rollouts", "4_refine", "5_calibrate", "6_targets", "7_ridge",
-                 "8_finetune", "gates"):
+    for name in ("1_encoder", "2_init", "3_rollouts", "4_refine", "5_calibrate", "6_targets", "7_ridge", "8_finetune", "gates"):
         st = report["stages"][name]
         assert st["seconds"] >= 0 and st["cpu_seconds"] >= 0 and st["peak_rss_gib"] > 0.01, name
     roll = load_file(str(tmp_path / "run" / "checkpoints" / "3_rollouts.safetensors"))
@@ -121,7 +142,8 @@ def test_resume_after_interruption(tmp_path, monkeypatch):
     # the negatives' gate counts of stage 7 come back with its checkpoint
     gates = [json.loads((tmp_path / d / "build_report.json").read_text())["stages"]["gates"] for d in ("run", "fresh")]
     assert {k: v for k, v in gates[0].items() if "seconds" not in k and k != "peak_rss_gib"} == {
-        k: v for k, v in gates[1].items() if "seconds" not in k and k != "peak_rss_gib"}
+        k: v for k, v in gates[1].items() if "seconds" not in k and k != "peak_rss_gib"
+    }
     # a later-stage change keeps the earlier checkpoints
     seen.clear()
     build_operator(model, tok, _edits(), _tiny_cfg(tmp_path, finetune_steps=1), out_dir=tmp_path / "run", log=seen.append)
@@ -201,9 +223,15 @@ def _rows_contain(rows, states, atol=1e-5):
 
 def _greedy_continued(model, ids: list[int], tokens: int) -> list[int]:
     """``ids`` followed by the tiny model's greedy continuation of ``tokens`` tokens, cut before <eos>."""
-    gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=tokens, do_sample=False, pad_token_id=1, eos_token_id=None)[0].tolist()
-    return gen[: gen.index(2, len(ids))] if 2 in gen[len(ids):] else gen
+    gen = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=tokens,
+        do_sample=False,
+        pad_token_id=1,
+        eos_token_id=None,
+    )[0].tolist()
+    return gen[: gen.index(2, len(ids))] if 2 in gen[len(ids) :] else gen
 
 
 def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path):
@@ -220,10 +248,21 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:3]
-    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=4, negatives_stream_templates=2,
-                                                negatives_stream_subjects=2, negatives_word_swaps=4,
-                                                negatives_exclusions=1),
-                   out_dir=tmp_path / "on", log=None)
+    build_operator(
+        model,
+        tok,
+        edits,
+        _tiny_cfg(
+            tmp_path,
+            negative_continuation_tokens=4,
+            negatives_stream_templates=2,
+            negatives_stream_subjects=2,
+            negatives_word_swaps=4,
+            negatives_exclusions=1,
+        ),
+        out_dir=tmp_path / "on",
+        log=None,
+    )
     roll = load_file(str(tmp_path / "on" / "checkpoints" / "3_rollouts.safetensors"))
     for i, e in enumerate(edits):
         ids = encode_prompt(tok, e.prompt)
@@ -245,13 +284,18 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
     corpus = load_corpus(_tiny_cfg(tmp_path).encoder_corpus, 40, 2, 0)[0]
     words = relation_words([e.template for e in edits] + list(corpus.group_of_template))
     template = edits[0].template
-    swapped = [template.replace(w, x).replace("{}", subj) for w in ("located", "city") for x in words
-               if x not in template.split() for subj in ("Eiffel Tower", "France", "Toko Yasuda")]
+    swapped = [
+        template.replace(w, x).replace("{}", subj)
+        for w in ("located", "city")
+        for x in words
+        if x not in template.split()
+        for subj in ("Eiffel Tower", "France", "Toko Yasuda")
+    ]
     h_swap = last_token_states(model, tok, swapped, 1)
 
     def swaps_among_negatives(roll) -> int:
         spec = roll["specific"][roll["specific_owner"] == 0]
-        return sum(_rows_contain(spec, h_swap[j:j + 1]) for j in range(len(swapped)))
+        return sum(_rows_contain(spec, h_swap[j : j + 1]) for j in range(len(swapped)))
 
     assert 1 <= swaps_among_negatives(roll) <= 4
     # (e): slot 1's request asking for anything but its target is a negative of slot 1 alone
@@ -259,10 +303,21 @@ def test_rollouts_take_continuations_and_stream_templates_as_negatives(tmp_path)
     assert _rows_contain(roll["specific"][roll["specific_owner"] == 1], h_excl)
     assert not _rows_contain(roll["specific"][roll["specific_owner"] != 1], h_excl)
 
-    build_operator(model, tok, edits, _tiny_cfg(tmp_path, negative_continuation_tokens=0, negatives_stream_templates=0,
-                                                negatives_stream_subjects=0, negatives_word_swaps=0,
-                                                negatives_exclusions=0),
-                   out_dir=tmp_path / "off", log=None)
+    build_operator(
+        model,
+        tok,
+        edits,
+        _tiny_cfg(
+            tmp_path,
+            negative_continuation_tokens=0,
+            negatives_stream_templates=0,
+            negatives_stream_subjects=0,
+            negatives_word_swaps=0,
+            negatives_exclusions=0,
+        ),
+        out_dir=tmp_path / "off",
+        log=None,
+    )
     off = load_file(str(tmp_path / "off" / "checkpoints" / "3_rollouts.safetensors"))
     assert off["continuations"].shape[0] == 0
     assert not _rows_contain(off["specific"], h)
@@ -290,8 +345,8 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
         assert report["stages"]["8_finetune"]["paraphrase_sequences"] == 0  # the request's write carries
         for i, e in enumerate(edits):
             h = last_token_states(model, tok, [f"{st} {e.prompt}" for st in statements], 1)
-            found = [j for j in range(len(statements)) if _rows_contain(roll["anchors"], h[j:j + 1])]
-            own = [j for j in found if _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h[j:j + 1])]
+            found = [j for j in range(len(statements)) if _rows_contain(roll["anchors"], h[j : j + 1])]
+            own = [j for j in found if _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h[j : j + 1])]
             assert len(found) == len(own) == k
 
 
@@ -332,8 +387,7 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
     edits = _edits()[:3]
     for chat in (True, False):
         out = tmp_path / f"chat{chat}"
-        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_chat=chat, positives_prefixed=0),
-                       out_dir=out, log=None)
+        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_chat=chat, positives_prefixed=0), out_dir=out, log=None)
         roll = load_file(str(out / "checkpoints" / "3_rollouts.safetensors"))
         report = json.loads((out / "build_report.json").read_text())
         assert report["stages"]["3_rollouts"]["paraphrase_positives"] == (len(edits) if chat else 0)
@@ -372,8 +426,14 @@ def test_target_chat_forms_fit_each_write_target_on_its_request_and_chat_form(tm
     seen = []
     monkeypatch.setattr(pipeline, "write_targets", recording_write_targets(seen))
     for forms in (False, True):
-        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0,
-                                                    target_chat_forms=forms), out_dir=tmp_path / f"t{forms}", log=None)
+        build_operator(
+            model,
+            tok,
+            edits,
+            _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0, target_chat_forms=forms),
+            out_dir=tmp_path / f"t{forms}",
+            log=None,
+        )
         fitted_on = seen.pop()
         for e, seqs in zip(edits, fitted_on):
             prompt, target = encode_continuation(tok, e.prompt, e.target_new)
@@ -392,9 +452,9 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
 
     from safetensors.torch import load_file
 
-    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.corpus import load_corpus
     from aloe_build.slots import make_slots
+    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.stages.s3_rollouts import edit_negative_sequences, token_sequences
     from aloe_build.states import collect_states
     from aloe_build.tokens import chat_header_length, chat_prompt, encode_prompt
@@ -405,8 +465,7 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
     assert head == len(tok("user :", add_special_tokens=False)["input_ids"])
     edits = _edits()[:3]
     plain_cfg = _tiny_cfg(tmp_path, positives_prefixed=0)
-    corpus, _ = load_corpus(plain_cfg.encoder_corpus, plain_cfg.encoder_records, plain_cfg.encoder_same_subject,
-                            plain_cfg.seed)
+    corpus, _ = load_corpus(plain_cfg.encoder_corpus, plain_cfg.encoder_records, plain_cfg.encoder_same_subject, plain_cfg.seed)
     asked = [chat_prompt(tok, it.request) for it in corpus.items[:4]]
     asked_states = collect_states(model, tok, asked, 1, [[len(q) - 1] for q in asked]).states
     for chat in (True, False):
@@ -428,8 +487,8 @@ def test_chat_positives_bring_chat_form_negatives(tmp_path):
         own = [(q, p) for q, p, o in zip(*plain) if o == i]
         both = [(q, p) for q, p, o in zip(*with_chat) if o == i]
         assert both[: len(own)] == own and len(both) == len(own) + len(texts) == len(own) + 2
-        for (q, p), text in zip(both[len(own):], texts):
-            assert q[head: head + len(text)] == text and list(p) == list(range(head, len(q)))
+        for (q, p), text in zip(both[len(own) :], texts):
+            assert q[head : head + len(text)] == text and list(p) == list(range(head, len(q)))
 
 
 def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
@@ -438,9 +497,9 @@ def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     for the prefixes of the shared pool's prompts, whose states are negatives of every slot."""
     import random
 
-    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.corpus import load_corpus
     from aloe_build.slots import make_slots
+    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.tokens import encode_prompt
 
     tok = tiny_tokenizer()
@@ -452,8 +511,7 @@ def test_edit_negatives_hold_each_token_prefix_of_a_slot_once(tmp_path):
     keys = [(o, tuple(q[: t + 1])) for q, p, o in zip(spec, pos, owner) for t in p]
     assert len(keys) == len(set(keys))
     # the pool: each corpus record's request, locality prompt and first same-subject prompt
-    pool_texts = {t for it in corpus.items[: cfg.negative_pool_records] for t in (it.request, it.locality,
-                                                                                 *it.same_subject[:1])}
+    pool_texts = {t for it in corpus.items[: cfg.negative_pool_records] for t in (it.request, it.locality, *it.same_subject[:1])}
     pool = {tuple(ids[: t + 1]) for text in pool_texts for ids in [encode_prompt(tok, text)] for t in range(len(ids))}
     stream, rng, every, in_pool = rollouts._Stream(slots, corpus, cfg.seed), random.Random(0), 0, 0
     for i, s in enumerate(slots):
@@ -523,8 +581,14 @@ def test_chat_builds_take_generic_system_headers_and_chat_answers_as_negatives(t
     model, tok = tiny_model("llama"), tiny_tokenizer()
     tok.chat_template = TINY_CHAT_TEMPLATE
     edits = _edits()[:3]
-    cfg = _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0, negatives_chat_pool=4,
-                    negatives_chat_systems=2, negatives_chat_answer_tokens=3)
+    cfg = _tiny_cfg(
+        tmp_path,
+        positives_chat=True,
+        positives_prefixed=0,
+        negatives_chat_pool=4,
+        negatives_chat_systems=2,
+        negatives_chat_answer_tokens=3,
+    )
     build_operator(model, tok, edits, cfg, out_dir=tmp_path / "op", log=None)
     roll = load_file(str(tmp_path / "op" / "checkpoints" / "3_rollouts.safetensors"))
 
@@ -580,13 +644,28 @@ def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
     edits = _edits()[:3]
     # a corpus whose records carry relation ids, two templates per relation
     relation = {t: f"P{j // 2}" for j, t in enumerate(_TEMPLATES)}
-    records = [EditRequest(prompt=t.replace("{}", s), target_new=_WORDS[(i + j) % len(_WORDS)], subject=s,
-                           rephrases=("the " + t.replace("{}", s),), relation=relation[t],
-                           locality=(t.replace("{}", _SUBJECTS[(i + 3) % 10]),), id=f"c{i}-{j}")
-               for i, s in enumerate(_SUBJECTS) for j, t in enumerate(_TEMPLATES)]
+    records = [
+        EditRequest(
+            prompt=t.replace("{}", s),
+            target_new=_WORDS[(i + j) % len(_WORDS)],
+            subject=s,
+            rephrases=("the " + t.replace("{}", s),),
+            relation=relation[t],
+            locality=(t.replace("{}", _SUBJECTS[(i + 3) % 10]),),
+            id=f"c{i}-{j}",
+        )
+        for i, s in enumerate(_SUBJECTS)
+        for j, t in enumerate(_TEMPLATES)
+    ]
     corpus = save_edits_jsonl(records, tmp_path / "related.jsonl")
-    op = build_operator(model, tok, edits, _tiny_cfg(tmp_path, encoder_corpus=str(corpus), positives_same_relation=2,
-                                                     positives_prefixed=0), out_dir=tmp_path / "run", log=None)
+    op = build_operator(
+        model,
+        tok,
+        edits,
+        _tiny_cfg(tmp_path, encoder_corpus=str(corpus), positives_same_relation=2, positives_prefixed=0),
+        out_dir=tmp_path / "run",
+        log=None,
+    )
     roll = load_file(str(tmp_path / "run" / "checkpoints" / "3_rollouts.safetensors"))
     report = json.loads((tmp_path / "run" / "build_report.json").read_text())
     seq = roll["anchor_seq"]
@@ -605,8 +684,9 @@ def test_open_paraphrases_picks_candidates_open_on_their_first_anchor():
 
     d = 8
     V = torch.eye(d)[:2] * 4.0  # slot 0 reads dimension 0, slot 1 dimension 1
-    op = AloeOperator(addresses=V, thresholds=torch.full((2,), 2.0), temperatures=torch.full((2,), 10.0),
-                      writes=torch.zeros(2, 3))
+    op = AloeOperator(
+        addresses=V, thresholds=torch.full((2,), 2.0), temperatures=torch.full((2,), 10.0), writes=torch.zeros(2, 3)
+    )
     e = torch.eye(d)
     owner = torch.tensor([0, 1, 0, 1, 0, 1])
     first = [e[0], e[1], e[0], e[2], e[2], e[1]]  # seq 3 and 4 closed on their first anchor
@@ -687,8 +767,6 @@ def test_tensors_saved_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json", "x.safetensors"]
 
 
-
-
 def test_anchors_leave_out_target_tokens_the_model_predicts():
     """Anchors are the last prompt token, then only the positions whose next target token the
     unedited model does not already predict (checked against a plain forward of each sequence);
@@ -702,8 +780,17 @@ def test_anchors_leave_out_target_tokens_the_model_predicts():
     model, tok = tiny_model("llama"), tiny_tokenizer()
     prompts = [encode_prompt(tok, e.prompt) for e in _edits()[:3]]
     # targets: the model's own greedy continuation (all predicted) with one token changed
-    gens = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=5,
-                           do_sample=False, pad_token_id=1, eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    gens = [
+        model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=1,
+            eos_token_id=None,
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]
     targets = [gens[0], gens[1][:2] + [(gens[1][2] + 1) % 100 + 3] + gens[1][3:], [(gens[2][0] + 1) % 100 + 3] + gens[2][1:]]
     ref_model = copy.deepcopy(model).double()
     seen = {}
@@ -715,8 +802,7 @@ def test_anchors_leave_out_target_tokens_the_model_predicts():
         for i, (p, t, pos) in enumerate(zip(prompts, targets, got)):
             with torch.no_grad():
                 pred = ref_model(torch.tensor([p + t])).logits[0].argmax(-1).tolist()
-            want = [len(p) - 1 + k for k in range(min(cap, len(t)))
-                    if keep_predicted or k == 0 or pred[len(p) - 1 + k] != t[k]]
+            want = [len(p) - 1 + k for k in range(min(cap, len(t))) if keep_predicted or k == 0 or pred[len(p) - 1 + k] != t[k]]
             assert pos == want
             h = seen["h"][0, want]
             torch.testing.assert_close(states.of(i).double(), h / h.norm(dim=-1, keepdim=True), atol=1e-5, rtol=0)
@@ -760,13 +846,17 @@ def test_generic_questions_and_their_continuations_are_shared_negatives(tmp_path
     pools = {}
     for n in (0, 3):
         out = tmp_path / f"q{n}"
-        build_operator(model, tok, edits, _tiny_cfg(tmp_path, negatives_questions=n, negative_continuation_tokens=3),
-                       out_dir=out, log=None)
+        build_operator(
+            model, tok, edits, _tiny_cfg(tmp_path, negatives_questions=n, negative_continuation_tokens=3), out_dir=out, log=None
+        )
         pools[n] = load_file(str(out / "checkpoints" / "3_rollouts.safetensors"))["pool"]
     subjects = sorted(set(_SUBJECTS))
     # three questions over ten subjects: every third one
-    asked = [QUESTION_FRAMES[0].format(subjects[0]), QUESTION_FRAMES[1].format(subjects[3])[:-1].lower(),
-             QUESTION_FRAMES[2].format(subjects[6])]
+    asked = [
+        QUESTION_FRAMES[0].format(subjects[0]),
+        QUESTION_FRAMES[1].format(subjects[3])[:-1].lower(),
+        QUESTION_FRAMES[2].format(subjects[6]),
+    ]
     added = 0
     for text in asked:
         full = _greedy_continued(model, encode_prompt(tok, text), 3)
@@ -790,8 +880,14 @@ def test_corpus_rewordings_are_shared_negatives_except_the_edited_subjects(tmp_p
     pools = {}
     for n in (0, 8):  # the corpus's first 8 records: Paris and France under the four templates
         out = tmp_path / f"p{n}"
-        build_operator(model, tok, edits, _tiny_cfg(tmp_path, negatives_paraphrases=n, negatives_questions=0,
-                                                    negative_continuation_tokens=3), out_dir=out, log=None)
+        build_operator(
+            model,
+            tok,
+            edits,
+            _tiny_cfg(tmp_path, negatives_paraphrases=n, negatives_questions=0, negative_continuation_tokens=3),
+            out_dir=out,
+            log=None,
+        )
         pools[n] = load_file(str(out / "checkpoints" / "3_rollouts.safetensors"))["pool"]
     added = 0
     for t in _TEMPLATES:
@@ -808,16 +904,22 @@ def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
     """With ``negatives_chat_questions``: every position of each generic question asked through the
     chat template (after its header) and of the unedited model's answer is in the chat-form pool;
     with 0 none of the questions is."""
-    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.corpus import load_corpus
     from aloe_build.questions import generic_questions
+    from aloe_build.stages import s3_rollouts as rollouts
     from aloe_build.states import collect_states
     from aloe_build.tokens import chat_header_length, chat_prompt
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     tok.chat_template = TINY_CHAT_TEMPLATE
-    cfg = _tiny_cfg(tmp_path, positives_chat=True, negatives_chat_pool=2, negatives_chat_systems=0,
-                    negatives_chat_answer_tokens=3, negatives_chat_questions=3)
+    cfg = _tiny_cfg(
+        tmp_path,
+        positives_chat=True,
+        negatives_chat_pool=2,
+        negatives_chat_systems=0,
+        negatives_chat_answer_tokens=3,
+        negatives_chat_questions=3,
+    )
     corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
     with_questions = rollouts.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
     cfg.chat.negatives_chat_questions = 0
@@ -831,5 +933,5 @@ def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
         want = collect_states(model, tok, [full], 1, [range(head, len(full))]).states
         assert want.shape[0] > len(ids) - head
         assert _rows_contain(with_questions, want)
-        assert not _rows_contain(without, want[len(ids) - head - 1: len(ids) - head])
+        assert not _rows_contain(without, want[len(ids) - head - 1 : len(ids) - head])
     assert with_questions.shape[0] > without.shape[0]

@@ -15,8 +15,7 @@ from aloe_kernels.hf import locate_down_proj
 def test_bfloat16_model_builds_an_operator_that_opens_on_its_requests(tmp_path):
     model32, tok = tiny_model("llama"), tiny_tokenizer()
     model = tiny_model("llama").to(torch.bfloat16)
-    op = build_operator(model, tok, _edits()[:3], _tiny_cfg(tmp_path, refine_steps=200), out_dir=tmp_path / "r",
-                        log=None)
+    op = build_operator(model, tok, _edits()[:3], _tiny_cfg(tmp_path, refine_steps=200), out_dir=tmp_path / "r", log=None)
     assert op.addresses.dtype == op.writes.dtype == op.thresholds.dtype == torch.float32
     assert all(bool(torch.isfinite(t).all()) for t in (op.addresses, op.thresholds, op.temperatures, op.writes))
     # the fingerprint is that of the checkpoint, whatever the precision it was loaded in

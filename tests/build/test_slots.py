@@ -24,10 +24,12 @@ def test_same_prompt_matrix_is_pairwise_prompt_equality():
 
 
 def test_slots_with_one_prompt_and_two_targets_share_it():
-    reqs = [EditRequest("The capital of France is", "Rome", "France"),
-            EditRequest("The capital of France is", "Lyon", "France"),
-            EditRequest("John Lennon plays the", "guitar", "John Lennon"),
-            EditRequest("The capital of France is", "Rome", "France", id="again")]
+    reqs = [
+        EditRequest("The capital of France is", "Rome", "France"),
+        EditRequest("The capital of France is", "Lyon", "France"),
+        EditRequest("John Lennon plays the", "guitar", "John Lennon"),
+        EditRequest("The capital of France is", "Rome", "France", id="again"),
+    ]
     slots = make_slots(reqs)
     assert [s.ids for s in slots] == [["edit-0", "again"], ["edit-1"], ["edit-2"]]
     assert same_prompt_matrix(slots).tolist() == [[True, True, False], [True, True, False], [False, False, True]]

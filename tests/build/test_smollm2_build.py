@@ -21,9 +21,17 @@ def test_smollm2_small_build_edits_take(tmp_path, smollm2_encoder_cache):
 
     model, tok = load_model("smollm2")
     edits = load_edits(DEMO_EDITS, limit=6)
-    cfg = BuildConfig(encoder_records=300, encoder_steps=150, encoder_cache=str(smollm2_encoder_cache),
-                      negative_pool_records=100, negatives_paraphrases=100, negatives_questions=100, refine_steps=300,
-                      finetune_steps=10, finetune_batch=6)
+    cfg = BuildConfig(
+        encoder_records=300,
+        encoder_steps=150,
+        encoder_cache=str(smollm2_encoder_cache),
+        negative_pool_records=100,
+        negatives_paraphrases=100,
+        negatives_questions=100,
+        refine_steps=300,
+        finetune_steps=10,
+        finetune_batch=6,
+    )
     op = build_operator(model, tok, edits, cfg, out_dir=tmp_path / "run", log=None)
     op.save(tmp_path / "run")
     controls = [e.locality[0].prompt for e in edits]
@@ -35,4 +43,3 @@ def test_smollm2_small_build_edits_take(tmp_path, smollm2_encoder_cache):
     efficacy = sum(hits(a, e.target_new) for a, e in zip(after, edits)) / len(edits)
     assert efficacy >= 5 / 6, list(zip(after, [e.target_new for e in edits]))
     assert sum(a == b for a, b in zip(before, after_controls)) >= 5
-

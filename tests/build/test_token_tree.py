@@ -72,8 +72,7 @@ def test_tree_states_equal_plain_ones(family, attention, pack, per_pass):
     assert torch.equal(got.offsets, want.offsets)
     torch.testing.assert_close(got.states, want.states, rtol=1e-5, atol=1e-5)
     every = collect_states_tree(model, tok, seqs, 2, None, pack, per_pass)
-    torch.testing.assert_close(every.states, collect_states(model, tok, seqs, 2, None, 7).states,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(every.states, collect_states(model, tok, seqs, 2, None, 7).states, rtol=1e-5, atol=1e-5)
 
 
 def test_an_attention_without_custom_masks_runs_plain_passes(monkeypatch):

@@ -25,8 +25,12 @@ def test_edited_forward_matches_patched_model(family):
     from aloe_kernels.hf import locate_down_proj
 
     model, tok = tiny_model(family, num_layers=3), tiny_tokenizer()
-    texts = ["The capital of France is Paris", "Toko Yasuda plays the guitar", "What is the product made by UniFirst ? uniform",
-             "The Eiffel Tower is located in the city of Rome"]
+    texts = [
+        "The capital of France is Paris",
+        "Toko Yasuda plays the guitar",
+        "What is the product made by UniFirst ? uniform",
+        "The Eiffel Tower is located in the city of Rome",
+    ]
     seqs = [tok(t)["input_ids"] for t in texts]
     lens = [1, 1, 1, 2]
     site = locate_down_proj(model, 1)
@@ -37,8 +41,14 @@ def test_edited_forward_matches_patched_model(family):
         model(input_ids=torch.tensor([seqs[0]]))
     handle.remove()
     op = operator_opening_on(box["h"][0, -3:], n_extra=2, d_out=site.d_out)
-    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
-                      writes=op.writes * 3, layer=1, weight_fingerprint="unchecked")
+    op = AloeOperator(
+        addresses=op.addresses,
+        thresholds=op.thresholds,
+        temperatures=op.temperatures,
+        writes=op.writes * 3,
+        layer=1,
+        weight_fingerprint="unchecked",
+    )
     fwd = EditedForward(model, tok, seqs, lens, op, batch_size=3, owners=[0, 1, 2, 0])
     assert fwd.upper_only == (family != "gpt2")  # GPT-2 adds position embeddings to inputs_embeds
     rows = [3, 0, 2]
@@ -53,8 +63,8 @@ def test_edited_forward_matches_patched_model(family):
             with torch.no_grad():
                 logits = model(input_ids=torch.tensor([seqs[i]])).logits[0].double()
             n = lens[i]
-            want.append(F.cross_entropy(logits[-n - 1:-1], torch.tensor(seqs[i][-n:])))
-            exact.append(bool((logits[-n - 1:-1].argmax(-1) == torch.tensor(seqs[i][-n:])).all()))
+            want.append(F.cross_entropy(logits[-n - 1 : -1], torch.tensor(seqs[i][-n:])))
+            exact.append(bool((logits[-n - 1 : -1].argmax(-1) == torch.tensor(seqs[i][-n:])).all()))
     finally:
         remove_aloe(model)
     torch.testing.assert_close(got.double(), torch.stack(want), atol=1e-4, rtol=1e-4)
@@ -76,8 +86,14 @@ def test_cached_prefix_gives_the_same_loss_and_gradient(family, longer_target):
     model, tok, seqs, lens, op = _slot_per_sequence(family)
     if longer_target:
         lens = [1, 1, 5, 1]
-    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
-                      writes=torch.randn(op.n, op.d_out), layer=1, weight_fingerprint="unchecked")
+    op = AloeOperator(
+        addresses=op.addresses,
+        thresholds=op.thresholds,
+        temperatures=op.temperatures,
+        writes=torch.randn(op.n, op.d_out),
+        layer=1,
+        weight_fingerprint="unchecked",
+    )
     results = []
     for cache_prefix in (True, False):
         # one batch of all four: the first-batch check of the pass on the cache sees the longest target
@@ -103,8 +119,12 @@ def _slot_per_sequence(family: str = "llama", extra_form: bool = False):
     from aloe_kernels.hf import locate_down_proj
 
     model, tok = tiny_model(family, num_layers=3), tiny_tokenizer()
-    texts = ["The capital of France is Paris Rome", "Toko Yasuda plays the guitar piano",
-             "What is the product made by UniFirst ? uniform aircraft", "The Eiffel Tower is in Rome Paris"]
+    texts = [
+        "The capital of France is Paris Rome",
+        "Toko Yasuda plays the guitar piano",
+        "What is the product made by UniFirst ? uniform aircraft",
+        "The Eiffel Tower is in Rome Paris",
+    ]
     lens = [1, 1, 2, 1]
     if extra_form:
         texts.append("Question: which city is the capital of France? Answer: Paris Rome")
@@ -117,7 +137,7 @@ def _slot_per_sequence(family: str = "llama", extra_form: bool = False):
     with torch.no_grad():
         for s in seqs:
             model(input_ids=torch.tensor([s]))
-            states.append(box["h"][0, -lens[len(states)] - 1:])
+            states.append(box["h"][0, -lens[len(states)] - 1 :])
     handle.remove()
     unit = [torch.nn.functional.normalize(h.double(), dim=1) for h in states]
     if extra_form:  # slot 0's anchors: its request's and the fifth sequence's
@@ -125,9 +145,14 @@ def _slot_per_sequence(family: str = "llama", extra_form: bool = False):
         unit[0] = torch.cat([unit[0], extra])
     V = torch.stack([torch.nn.functional.normalize(u.mean(0), dim=0) for u in unit])
     tau = torch.stack([(u @ v).min() - 0.05 for u, v in zip(unit, V)])
-    op = AloeOperator(addresses=V, thresholds=tau, temperatures=torch.full((len(V),), 30.0, dtype=torch.float64),
-                      writes=torch.zeros(len(V), site.d_out, dtype=torch.float64), layer=1,
-                      weight_fingerprint="unchecked").to(dtype=torch.float32)
+    op = AloeOperator(
+        addresses=V,
+        thresholds=tau,
+        temperatures=torch.full((len(V),), 30.0, dtype=torch.float64),
+        writes=torch.zeros(len(V), site.d_out, dtype=torch.float64),
+        layer=1,
+        weight_fingerprint="unchecked",
+    ).to(dtype=torch.float32)
     return model, tok, seqs, lens, op
 
 
@@ -244,7 +269,7 @@ def test_stage6_batches_pad_least_to_the_positions_after_the_cache():
 
     got = target_batches(fwd, rows_of, 2)
     assert sorted(s for b in got for s in b) == list(range(6)) and all(len(b) == 2 for b in got)
-    best = min(padded([list(p[k: k + 2]) for k in range(0, 6, 2)]) for p in itertools.permutations(range(6)))
+    best = min(padded([list(p[k : k + 2]) for k in range(0, 6, 2)]) for p in itertools.permutations(range(6)))
     assert padded(got) == best == 2 * (2 + 7 + 9)
 
 
@@ -266,8 +291,13 @@ def test_stage6_grouping_does_not_change_the_fit_and_foreign_parts_are_recompute
         assert nll_together == pytest.approx(nll_alone, abs=1e-5) and made_together == made_alone
         parts = PartStore(tmp_path / "parts", "key")
         slots = target_batches(fwd, [[i] for i in range(4)], 4)[0]
-        foreign = {"delta": torch.full((4, fwd.d_out), 7.0), "nll": torch.zeros(4), "steps": torch.tensor(0),
-                   "produced": torch.ones(4, dtype=torch.bool), "slots": torch.tensor(slots[::-1])}
+        foreign = {
+            "delta": torch.full((4, fwd.d_out), 7.0),
+            "nll": torch.zeros(4),
+            "steps": torch.tensor(0),
+            "produced": torch.ones(4, dtype=torch.bool),
+            "slots": torch.tensor(slots[::-1]),
+        }
         parts.put("batch-0", foreign)
         d_resumed, _, _ = write_targets(fwd, together, parts=parts)
         torch.testing.assert_close(d_resumed, d_together, atol=1e-6, rtol=1e-5)
@@ -298,8 +328,6 @@ def test_finetune_trains_on_missed_targets_and_stops_when_all_are_produced():
     assert all(produced_rows(fwd_done, U, range(len(done)), 4))
     U2, losses = finetune_writes(fwd_done, U, BuildConfig(finetune_steps=10, finetune_rescore_every=5))
     assert losses == [] and torch.equal(U2, U)
-
-
 
 
 def test_write_targets_resume_after_an_interrupted_batch(tmp_path, monkeypatch):

@@ -33,8 +33,28 @@ def _saved(tiny, tmp_path):
 def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
     model_dir, edits, op_dir = _saved(tiny, tmp_path)
     out = tmp_path / "eval"
-    rc = main(["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2",
-               "--out", str(out), "--baseline", "grace", "--grace-iters", "20", "--quiet", "--batch-size", "4"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--operator",
+            str(op_dir),
+            "--edits",
+            str(edits),
+            "--limit",
+            "2",
+            "--out",
+            str(out),
+            "--baseline",
+            "grace",
+            "--grace-iters",
+            "20",
+            "--quiet",
+            "--batch-size",
+            "4",
+        ]
+    )
     assert rc == 0
     d = json.loads((out / "eval_report.json").read_text())
     assert d["primary"] == "ALOE"
@@ -48,8 +68,25 @@ def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
 
     # baselines only: no operator
     out2 = tmp_path / "eval2"
-    rc = main(["eval", "--model", str(model_dir), "--edits", str(edits), "--out", str(out2), "--baseline", "grace",
-               "--grace-iters", "5", "--no-plots", "--quiet", "--layer", str(LAYER)])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--edits",
+            str(edits),
+            "--out",
+            str(out2),
+            "--baseline",
+            "grace",
+            "--grace-iters",
+            "5",
+            "--no-plots",
+            "--quiet",
+            "--layer",
+            str(LAYER),
+        ]
+    )
     assert rc == 0
     d = json.loads((out2 / "eval_report.json").read_text())
     assert d["primary"] == "unedited" and "GRACE (reimplementation)" in d["editors"]
@@ -60,9 +97,32 @@ def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
 def test_cli_eval_in_bfloat16_with_the_operator_as_a_gpu_serves_it(tiny, tmp_path):
     model_dir, edits, op_dir = _saved(tiny, tmp_path)
     out = tmp_path / "eval"
-    rc = main(["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2",
-               "--out", str(out), "--no-unedited", "--no-plots", "--quiet", "--batch-size", "4",
-               "--device", "cpu", "--dtype", "bfloat16", "--operator-dtype", "bfloat16"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--operator",
+            str(op_dir),
+            "--edits",
+            str(edits),
+            "--limit",
+            "2",
+            "--out",
+            str(out),
+            "--no-unedited",
+            "--no-plots",
+            "--quiet",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--operator-dtype",
+            "bfloat16",
+        ]
+    )
     assert rc == 0
     d = json.loads((out / "eval_report.json").read_text())
     assert d["meta"]["settings"]["dtype"] == "bfloat16" and d["meta"]["settings"]["device"] == "cpu"
@@ -75,8 +135,7 @@ def test_cli_build_refuses_a_missing_device_with_a_message(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("checks the message given on a machine without CUDA")
     edits = save_edits_jsonl(tiny_requests(), tmp_path / "edits.jsonl")
-    rc = main(["build", "--model", str(tmp_path), "--edits", str(edits), "--out", str(tmp_path / "op"),
-               "--device", "cuda"])
+    rc = main(["build", "--model", str(tmp_path), "--edits", str(edits), "--out", str(tmp_path / "op"), "--device", "cuda"])
     assert rc == 2 and "sees no CUDA device" in capsys.readouterr().err
 
 
@@ -88,8 +147,24 @@ def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path,
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.chat_template = TINY_CHAT_TEMPLATE
     tok.save_pretrained(model_dir)
-    base = ["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2",
-            "--no-unedited", "--no-plots", "--quiet", "--batch-size", "4", "--chat-system", "answer in one word"]
+    base = [
+        "eval",
+        "--model",
+        str(model_dir),
+        "--operator",
+        str(op_dir),
+        "--edits",
+        str(edits),
+        "--limit",
+        "2",
+        "--no-unedited",
+        "--no-plots",
+        "--quiet",
+        "--batch-size",
+        "4",
+        "--chat-system",
+        "answer in one word",
+    ]
     assert main(base + ["--out", str(tmp_path / "none")]) == 2
     assert "--chat-system needs --chat" in capsys.readouterr().err
     out = tmp_path / "chat"

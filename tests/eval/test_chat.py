@@ -25,6 +25,7 @@ class ForceToken(Editor):
             out = out.clone()
             out[..., self.token] += 1e4
             return out
+
         self.handle = model.lm_head.register_forward_hook(hook)
 
     def detach(self, model):
@@ -41,9 +42,15 @@ def _answer(model, tok, question: str, system: str | None) -> list[int]:
     """Greedy answer of one conversation, one at a time with HF generate (no batching, no padding)."""
     ids = torch.tensor([chat_prompt(tok, question, system)])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=CHAT_TOKENS, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=None)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=CHAT_TOKENS,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=None,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_target_rules():
@@ -54,8 +61,9 @@ def test_target_rules():
 def test_chat_prompt_renders_the_template_and_answers_start_without_a_space():
     _, tok = _setup()
     ids = chat_prompt(tok, "the capital of France is", "be brief")
-    assert tok.decode(ids) == tok.decode(tok("system : be brief . user : the capital of France is . assistant :",
-                                             add_special_tokens=False)["input_ids"])
+    assert tok.decode(ids) == tok.decode(
+        tok("system : be brief . user : the capital of France is . assistant :", add_special_tokens=False)["input_ids"]
+    )
     assert chat_answer(tok, " Paris ") == tok("Paris", add_special_tokens=False)["input_ids"]
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
@@ -71,8 +79,10 @@ def test_chat_metrics_against_one_at_a_time_generation():
     answers = [tok.decode(_answer(model, tok, q, None), skip_special_tokens=True) for q in questions]
     first = [a.split()[0] for a in answers]
     forced = next(t for t in range(3, 128) if tok.decode([t]).isalpha() and not any(tok.decode([t]) in a for a in answers))
-    reqs = [EditRequest(q, first[i] if i else tok.decode([forced]), "x",
-                        locality=[questions[(i + 1) % 3]], id=str(i)) for i, q in enumerate(questions)]
+    reqs = [
+        EditRequest(q, first[i] if i else tok.decode([forced]), "x", locality=[questions[(i + 1) % 3]], id=str(i))
+        for i, q in enumerate(questions)
+    ]
     systems = {"default_system": None}
 
     class Unedited(Editor):
@@ -85,8 +95,9 @@ def test_chat_metrics_against_one_at_a_time_generation():
     same = chat_evaluation(model, tok, reqs, Unedited(), batch_size=2, progress=False, systems=systems)["default_system"]
     assert same["locality"] == 1.0
     assert same["efficacy"] == same["unedited_efficacy"] == pytest.approx(2 / 3)  # edit 0's target is forced's
-    forced_run = chat_evaluation(model, tok, reqs, ForceToken(forced), batch_size=2, progress=False,
-                                 systems=systems)["default_system"]
+    forced_run = chat_evaluation(model, tok, reqs, ForceToken(forced), batch_size=2, progress=False, systems=systems)[
+        "default_system"
+    ]
     assert forced_run["locality"] == 0.0
     assert forced_run["efficacy"] == forced_run["efficacy_prefix"] == pytest.approx(1 / 3)
     assert [m["request"] for m in forced_run["misses"]] == questions[1:]
@@ -112,13 +123,20 @@ def test_chat_gates_split_misses_into_address_and_write():
         model(input_ids=torch.tensor([chat_prompt(tok, questions[0], None)]))
     handle.remove()
     op = operator_opening_on(box["h"][0, -1:], n_extra=2, d_out=site.d_out)
-    op = AloeOperator(addresses=op.addresses, thresholds=op.thresholds, temperatures=op.temperatures,
-                      writes=torch.zeros_like(op.writes), layer=1, weight_fingerprint="unchecked",
-                      edits=[{"id": str(i)} for i in range(3)])
+    op = AloeOperator(
+        addresses=op.addresses,
+        thresholds=op.thresholds,
+        temperatures=op.temperatures,
+        writes=torch.zeros_like(op.writes),
+        layer=1,
+        weight_fingerprint="unchecked",
+        edits=[{"id": str(i)} for i in range(3)],
+    )
     first_word = tok.decode(_answer(model, tok, questions[1], None), skip_special_tokens=True).split()[0]
     reqs = [EditRequest(q, t, "x", id=str(i)) for i, (q, t) in enumerate(zip(questions, ["zzz", first_word, "zzz"]))]
-    got = chat_evaluation(model, tok, reqs, AloeEditor(op, check_fingerprint=False), batch_size=2, progress=False,
-                          systems={"default_system": None})["default_system"]
+    got = chat_evaluation(
+        model, tok, reqs, AloeEditor(op, check_fingerprint=False), batch_size=2, progress=False, systems={"default_system": None}
+    )["default_system"]
     assert got["efficacy"] == pytest.approx(1 / 3)
     g = got["gates"]
     assert g["mapped"] == 3 and g["open_share"] == pytest.approx(1 / 3)
@@ -154,17 +172,23 @@ def test_changed_locality_gates_locate_the_gate_that_changed_an_answer():
     op = operator_opening_on(torch.stack([h_a[len(a) - 1], h_a[len(a) + 1]]), n_extra=1, d_out=site.d_out)
     tau = op.thresholds.clone()
     tau[1] = 0.85  # slot 1's own gate differs from slot 0's: no tie at the maximum
-    op = AloeOperator(addresses=op.addresses, thresholds=tau, temperatures=op.temperatures, writes=op.writes,
-                      layer=1, weight_fingerprint="unchecked")
+    op = AloeOperator(
+        addresses=op.addresses,
+        thresholds=tau,
+        temperatures=op.temperatures,
+        writes=op.writes,
+        layer=1,
+        weight_fingerprint="unchecked",
+    )
     prompts = [a, b, a]
     unedited = [answer, answer, answer]
     edited = [[43], [43, 41], answer[:2] + [43]]
     owners = [0, 1, 0]
-    got = changed_locality_gates(model, tok, AloeEditor(op, check_fingerprint=False), prompts, unedited, edited,
-                                 [(s,) for s in owners], batch_size=2)
+    got = changed_locality_gates(
+        model, tok, AloeEditor(op, check_fingerprint=False), prompts, unedited, edited, [(s,) for s in owners], batch_size=2
+    )
     handle = site.module.register_forward_pre_hook(lambda m, a: box.__setitem__("h", a[0].detach()))
-    want = {"changed": 3, "open": 0, "small": 0, "closed": 0, "own_slot": 0, "other_slot": 0,
-            "in_prompt": 0, "in_answer": 0}
+    want = {"changed": 3, "open": 0, "small": 0, "closed": 0, "own_slot": 0, "other_slot": 0, "in_prompt": 0, "in_answer": 0}
     V, t, al = (x.double() for x in (op.addresses, op.thresholds, op.temperatures))
     for p, cut, own in zip(prompts, [0, 0, 2], owners):
         h = torch.nn.functional.normalize(states(p + answer[:cut]).double(), dim=1)
@@ -179,8 +203,16 @@ def test_changed_locality_gates_locate_the_gate_that_changed_an_answer():
         want["in_prompt" if pos < len(p) else "in_answer"] += 1
     handle.remove()
     assert got == want
-    assert want == {"changed": 3, "open": 2, "small": 0, "closed": 1, "own_slot": 1, "other_slot": 1,
-                    "in_prompt": 1, "in_answer": 1}
+    assert want == {
+        "changed": 3,
+        "open": 2,
+        "small": 0,
+        "closed": 1,
+        "own_slot": 1,
+        "other_slot": 1,
+        "in_prompt": 1,
+        "in_answer": 1,
+    }
 
 
 def _two_requests() -> list[EditRequest]:
@@ -241,8 +273,13 @@ def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatc
 
     model, tok = _setup()
     reqs = _two_requests()
-    run = dict(batch_size=2, progress=False, systems={"default_system": None}, model_context="m",
-               unedited_parts=ChunkStore(tmp_path / "cache"))
+    run = dict(
+        batch_size=2,
+        progress=False,
+        systems={"default_system": None},
+        model_context="m",
+        unedited_parts=ChunkStore(tmp_path / "cache"),
+    )
     chat_evaluation(model, tok, reqs, ForceToken(5), parts=ChunkStore(tmp_path / "a"), context="op-a", **run)
     assert len(list((tmp_path / "cache").glob("chat-unedited-*.json.gz"))) == 2
     assert not list((tmp_path / "a").glob("chat-unedited-*"))
@@ -252,5 +289,4 @@ def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatc
     got = chat_evaluation(model, tok, reqs, ForceToken(7), parts=ChunkStore(tmp_path / "b"), context="op-b", **run)
     assert calls == ["chat (default_system): edited requests", "chat (default_system): edited locality"]
     monkeypatch.setattr(chat, "chat_answers", real)
-    assert got == chat_evaluation(model, tok, reqs, ForceToken(7), batch_size=2, progress=False,
-                                  systems={"default_system": None})
+    assert got == chat_evaluation(model, tok, reqs, ForceToken(7), batch_size=2, progress=False, systems={"default_system": None})

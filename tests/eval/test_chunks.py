@@ -17,8 +17,15 @@ from aloe_eval.chunks import chunk_bounds
 
 def _requests():
     # a fourth edit whose locality prompt is the first edit's: the unique-prompt statistics must count it once
-    return tiny_requests() + [EditRequest("Toko Yasuda plays the", "piano", "Toko Yasuda", id="e3", locality=[
-        {"prompt": "Toko Yasuda plays the", "ground_truth": "guitar", "kind": "neighborhood"}])]
+    return tiny_requests() + [
+        EditRequest(
+            "Toko Yasuda plays the",
+            "piano",
+            "Toko Yasuda",
+            id="e3",
+            locality=[{"prompt": "Toko Yasuda plays the", "ground_truth": "guitar", "kind": "neighborhood"}],
+        )
+    ]
 
 
 def _same(a, b, path="") -> None:
@@ -84,8 +91,17 @@ def test_chunks_give_one_pass_numbers_and_an_interrupted_run_resumes(tmp_path, m
 
     # another target for an edit of chunk 0: that chunk is scored again, chunk 1 is read back
     calls.clear()
-    changed = [EditRequest(reqs[0].prompt, "Paris", reqs[0].subject, rephrases=reqs[0].rephrases,
-                           locality=reqs[0].locality, portability=reqs[0].portability, id="e0")] + reqs[1:]
+    changed = [
+        EditRequest(
+            reqs[0].prompt,
+            "Paris",
+            reqs[0].subject,
+            rephrases=reqs[0].rephrases,
+            locality=reqs[0].locality,
+            portability=reqs[0].portability,
+            id="e0",
+        )
+    ] + reqs[1:]
     again = evaluate(model, tok, changed, op, chunk_edits=2, parts_dir=parts, **run)
     assert calls == [0, 0]
     assert again.rows[0]["target"] == "Paris"

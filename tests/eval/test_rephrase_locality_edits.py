@@ -8,18 +8,28 @@ from aloe_build.data import EditRequest, load_edits, save_edits_jsonl
 
 
 def _r(i: int, subject: str, rephrases: tuple[str, ...]) -> EditRequest:
-    return EditRequest(prompt=f"{subject} is in", target_new="Peru", subject=subject, ground_truth=f"gt{i}",
-                       rephrases=rephrases, locality=(f"Oslo{i} is in",), id=str(i))
+    return EditRequest(
+        prompt=f"{subject} is in",
+        target_new="Peru",
+        subject=subject,
+        ground_truth=f"gt{i}",
+        rephrases=rephrases,
+        locality=(f"Oslo{i} is in",),
+        id=str(i),
+    )
 
 
 def test_later_rewordings_become_locality_prompts_except_edited_subjects(tmp_path):
     from aloe_eval.streams import REPHRASE_LOCALITY_KIND as KIND
     from aloe_eval.streams import main
 
-    records = [_r(0, "Paris", ("Paris r0",)), _r(1, "Rome", ("Rome r1",)),
-               _r(2, "Lima", ("Lima a", "Lima b", "Lima c")),  # three rewordings: spread over both edits
-               _r(3, "Paris", ("Paris again",)),  # an edited subject: skipped
-               _r(4, "Bern", ())]  # no rewording: nothing to add
+    records = [
+        _r(0, "Paris", ("Paris r0",)),
+        _r(1, "Rome", ("Rome r1",)),
+        _r(2, "Lima", ("Lima a", "Lima b", "Lima c")),  # three rewordings: spread over both edits
+        _r(3, "Paris", ("Paris again",)),  # an edited subject: skipped
+        _r(4, "Bern", ()),
+    ]  # no rewording: nothing to add
     src = save_edits_jsonl(records, tmp_path / "in.jsonl")
     out = load_edits(main(["rephrase-locality", str(src), "--limit", "2", "--out", str(tmp_path / "out.jsonl")]))
     assert [e.id for e in out] == ["0", "1"]

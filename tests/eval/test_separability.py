@@ -31,8 +31,7 @@ def test_separability_matches_a_brute_force():
         t = cut["t"]
         assert cut["rephrases_at_or_above"] == sum(a >= t for a in own) / 11
         assert cut["locality_below"] == sum(b < t for b in best) / prompts
-    slots = {max(range(n), key=lambda i: max(r(loc[j], i) for j in range(31) if loc_prompt[j] == p))
-             for p in range(prompts)}
+    slots = {max(range(n), key=lambda i: max(r(loc[j], i) for j in range(31) if loc_prompt[j] == p)) for p in range(prompts)}
     assert got["locality_max_slots_distinct"] == len(slots)
     assert got["rephrases"] == 11 and got["locality_prompts"] == prompts
 
@@ -57,8 +56,9 @@ def test_stage_readings_and_negative_kinds_match_a_brute_force():
     got = stage_readings(V, requests, reph, reph_slot, loc_last, loc_slot, loc, loc_prompt, prompts)
     Vu = V / V.norm(dim=1, keepdim=True)
     own = [float(reph[k] @ Vu[reph_slot[k]]) for k in range(8)]
-    pairs = [(own[k], float(loc_last[j] @ Vu[loc_slot[j]])) for k in range(8) for j in range(prompts)
-             if reph_slot[k] == loc_slot[j]]
+    pairs = [
+        (own[k], float(loc_last[j] @ Vu[loc_slot[j]])) for k in range(8) for j in range(prompts) if reph_slot[k] == loc_slot[j]
+    ]
     assert abs(got["rewording_over_own_locality_prompt"] - sum(a > b for a, b in pairs) / len(pairs)) < 1e-12
     best = [max(float(loc[j] @ Vu[i]) for j in range(15) if loc_prompt[j] == p for i in range(n)) for p in range(prompts)]
     wins = sum((a > b) + 0.5 * (a == b) for a in own for b in best)
@@ -70,10 +70,15 @@ def test_stage_readings_and_negative_kinds_match_a_brute_force():
     anchors = torch.nn.functional.normalize(Vu[anchor_owner] + 0.3 * unit(9, d), dim=1)  # near their slots
     specific = unit(10, d)
     specific[5] = Vu[3]  # slot 3's own edit negative lies on its address: it clears no kind but the others
-    roll = {"anchors": anchors.float(), "anchor_owner": anchor_owner,
-            "continuations": unit(7, d).float(), "continuation_owner": torch.tensor([0, 1, 2, 3, 4, 0, 2]),
-            "pool": unit(6, d).float(), "specific": specific.float(),
-            "specific_owner": torch.tensor([0, 0, 1, 1, 2, 3, 3, 4, 4, 4])}
+    roll = {
+        "anchors": anchors.float(),
+        "anchor_owner": anchor_owner,
+        "continuations": unit(7, d).float(),
+        "continuation_owner": torch.tensor([0, 1, 2, 3, 4, 0, 2]),
+        "pool": unit(6, d).float(),
+        "specific": specific.float(),
+        "specific_owner": torch.tensor([0, 0, 1, 1, 2, 3, 3, 4, 4, 4]),
+    }
     same_prompt = torch.eye(n, dtype=torch.bool)
     got = clears_negatives(V, roll, same_prompt)
     Vf = V.float()
@@ -82,18 +87,18 @@ def test_stage_readings_and_negative_kinds_match_a_brute_force():
         return min(float(roll["anchors"][a] @ Vf[i]) for a in range(9) if roll["anchor_owner"][a] == i)
 
     def worst(i, states, owner, own_only):
-        scores = [float(states[j] @ Vf[i]) for j in range(len(states))
-                  if (owner[j] == i if own_only else owner[j] != i)]
+        scores = [float(states[j] @ Vf[i]) for j in range(len(states)) if (owner[j] == i if own_only else owner[j] != i)]
         return max(scores) if scores else float("-inf")
 
     minus = torch.full((6,), -1)
-    kinds = {"pool": lambda i: worst(i, roll["pool"], minus, False),
-             "other slots' anchors": lambda i: worst(i, roll["anchors"], roll["anchor_owner"], False),
-             "continuations": lambda i: worst(i, roll["continuations"], roll["continuation_owner"], False),
-             "own edit negatives": lambda i: worst(i, roll["specific"], roll["specific_owner"], True)}
+    kinds = {
+        "pool": lambda i: worst(i, roll["pool"], minus, False),
+        "other slots' anchors": lambda i: worst(i, roll["anchors"], roll["anchor_owner"], False),
+        "continuations": lambda i: worst(i, roll["continuations"], roll["continuation_owner"], False),
+        "own edit negatives": lambda i: worst(i, roll["specific"], roll["specific_owner"], True),
+    }
     base = list(kinds.values())
     kinds["all"] = lambda i: max(f(i) for f in base)
     for name, f in kinds.items():
         assert abs(got[name] - sum(worst_anchor(i) > f(i) for i in range(n)) / n) < 1e-12, name
     assert 0 < got["all"] < 1 and got["own edit negatives"] < 1
-

@@ -29,8 +29,13 @@ def test_disjoint_stream_drops_each_overlap_and_keeps_order():
     stream, report = disjoint_stream([("val", val), ("train", train)], corpus)
     assert [r.id for r in stream] == ["10", "14"]
     assert report.sources == {"val": 4, "train": 3}
-    assert report.dropped == {"case_id_in_corpus": 1, "subject_prompt_pair_in_corpus": 1, "repeated_prompt": 1,
-                              "record_in_corpus": 1, "repeated_id": 1}
+    assert report.dropped == {
+        "case_id_in_corpus": 1,
+        "subject_prompt_pair_in_corpus": 1,
+        "repeated_prompt": 1,
+        "record_in_corpus": 1,
+        "repeated_id": 1,
+    }
     assert report.kept == 2 and not any(report.checks.values())
 
 
@@ -58,10 +63,18 @@ def test_in_context_stream_puts_each_request_after_unrelated_text(tmp_path):
     from aloe_eval.in_context import in_context
     from aloe_eval.streams import IN_CONTEXT_PER_EDIT, main
 
-    records = [EditRequest(prompt=f"{s} is in", target_new="Peru", subject=s, rephrases=(f"{s} lies in",),
-                           locality=(f"Oslo{i} is in",), portability=({"prompt": "Where?", "ground_truth": "Peru"},),
-                           id=str(i))
-               for i, s in enumerate(["Paris", "Rome", "Lima"])]
+    records = [
+        EditRequest(
+            prompt=f"{s} is in",
+            target_new="Peru",
+            subject=s,
+            rephrases=(f"{s} lies in",),
+            locality=(f"Oslo{i} is in",),
+            portability=({"prompt": "Where?", "ground_truth": "Peru"},),
+            id=str(i),
+        )
+        for i, s in enumerate(["Paris", "Rome", "Lima"])
+    ]
     src = save_edits_jsonl(records, tmp_path / "in.jsonl")
     out = load_edits(main(["in-context", str(src), "--limit", "2", "--out", str(tmp_path / "out.jsonl")]))
     assert [e.id for e in out] == ["0", "1"]

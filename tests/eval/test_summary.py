@@ -13,9 +13,11 @@ def test_locality_outside_stream_leaves_out_prompts_the_stream_edits():
     def row(prompt, *loc):
         return {"prompt": prompt, "locality_prompts": [{"prompt": q, "stable": s} for q, s in loc]}
 
-    rows = [row("A is", ("B is", 0.0), ("C1 is", 1.0)),   # "B is" is edit 2's request
-            row("B is", ("D1 is", 1.0), ("D2 is", 0.0)),
-            row("C is", ("A is", 0.0))]                   # its only prompt is edit 1's request
+    rows = [
+        row("A is", ("B is", 0.0), ("C1 is", 1.0)),  # "B is" is edit 2's request
+        row("B is", ("D1 is", 1.0), ("D2 is", 0.0)),
+        row("C is", ("A is", 0.0)),
+    ]  # its only prompt is edit 1's request
     got, left_out = locality_outside_stream(rows)
     assert left_out == 2
     assert got == pytest.approx((1.0 + 0.5) / 2)

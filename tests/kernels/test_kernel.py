@@ -64,8 +64,14 @@ def make_case(T, d, d_out, n, regime="mixed", seed=0, zero_rows=()):
     else:
         raise ValueError(regime)
     writes = torch.randn(n, d_out, generator=g, dtype=torch.float64)
-    op = AloeOperator(addresses=addresses.float(), thresholds=thresholds.float(),
-                      temperatures=temperatures.float(), writes=writes.float(), eps=EPS, gate_eps=GATE_EPS)
+    op = AloeOperator(
+        addresses=addresses.float(),
+        thresholds=thresholds.float(),
+        temperatures=temperatures.float(),
+        writes=writes.float(),
+        eps=EPS,
+        gate_eps=GATE_EPS,
+    )
     return h.float(), op
 
 
@@ -89,8 +95,9 @@ def rel_err(out, ref):
 def run_kernel(y, h, op, deterministic=False, split=0, **blocks):
     kw = dict(BLOCKS)
     kw.update(blocks)
-    return gate.aloe_gate_residual_(y, h, op.addresses, op.thresholds, op.temperatures, op.writes,
-                                    op.eps, op.gate_eps, deterministic, split=split, **kw)
+    return gate.aloe_gate_residual_(
+        y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps, deterministic, split=split, **kw
+    )
 
 
 def cast_op(op, dtype):
@@ -100,9 +107,15 @@ def cast_op(op, dtype):
 # ---------------------------------------------------------- correctness
 # (T, n, split, deterministic): split=1 -> DIRECT, split>1 non-det -> ATOMIC, det -> PARTIAL.
 FP32_CASES = [
-    (1, 1, 0, False), (1, 3, 2, True), (1, 1000, 0, False),
-    (7, 1, 1, False), (7, 3, 3, False), (7, 1000, 4, True),
-    (64, 1, 0, True), (64, 3, 1, False), (64, 1000, 3, False),
+    (1, 1, 0, False),
+    (1, 3, 2, True),
+    (1, 1000, 0, False),
+    (7, 1, 1, False),
+    (7, 3, 3, False),
+    (7, 1000, 4, True),
+    (64, 1, 0, True),
+    (64, 3, 1, False),
+    (64, 1000, 3, False),
 ]
 
 
@@ -128,10 +141,16 @@ def test_fp32_all_open(T, n):
     assert rel_err(y, ref) <= FP32_TOL
 
 
-@pytest.mark.parametrize("ydtype,det,split", [
-    (torch.float32, False, 1), (torch.float32, False, 3), (torch.float32, True, 3),
-    (torch.bfloat16, False, 0), (torch.float16, True, 2),
-])
+@pytest.mark.parametrize(
+    "ydtype,det,split",
+    [
+        (torch.float32, False, 1),
+        (torch.float32, False, 3),
+        (torch.float32, True, 3),
+        (torch.bfloat16, False, 0),
+        (torch.float16, True, 2),
+    ],
+)
 def test_all_closed_leaves_y_bit_identical(ydtype, det, split):
     h, op = make_case(64, 48, 24, 200, "closed", seed=5)
     ref, g = ref_delta(h, op)
@@ -141,8 +160,10 @@ def test_all_closed_leaves_y_bit_identical(ydtype, det, split):
     before = y.clone()
     hh, opp = (h, op) if ydtype == torch.float32 else (h.to(ydtype), cast_op(op, ydtype))
     run_kernel(y, hh, opp, deterministic=det, split=split)
-    assert torch.equal(y.view(torch.int16 if ydtype != torch.float32 else torch.int32),
-                       before.view(torch.int16 if ydtype != torch.float32 else torch.int32))
+    assert torch.equal(
+        y.view(torch.int16 if ydtype != torch.float32 else torch.int32),
+        before.view(torch.int16 if ydtype != torch.float32 else torch.int32),
+    )
 
 
 def test_poisoned_y_only_delta_added():
@@ -155,9 +176,14 @@ def test_poisoned_y_only_delta_added():
         assert rel_err(y - 1234.5, ref) <= 5e-4  # fp32 cancellation against 1234.5
 
 
-@pytest.mark.parametrize("dtype,ydtype", [
-    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "dtype,ydtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
 @pytest.mark.parametrize("T,n", [(7, 1000), (64, 3)])
 def test_half_inputs(dtype, ydtype, T, n):
     h, op = make_case(T, 48, 24, n, "mixed", seed=T + n)
@@ -199,8 +225,8 @@ def test_strided_h_and_y(layout):
         h = big[:, ::2]
     elif layout == "row_slice":
         big = torch.zeros(T, d + 9)
-        big[:, 5:5 + d] = h0
-        h = big[:, 5:5 + d]
+        big[:, 5 : 5 + d] = h0
+        h = big[:, 5 : 5 + d]
     elif layout == "transposed":
         h = h0.T.contiguous().T
     else:
@@ -234,8 +260,9 @@ def test_zero_tokens_and_zero_edits_are_noops():
     _, op = make_case(4, 48, 24, 5, "open")
     y = torch.zeros(0, 24)
     gate.aloe_gate_residual_(y, torch.zeros(0, 48), op.addresses, op.thresholds, op.temperatures, op.writes)
-    empty = AloeOperator(addresses=torch.zeros(0, 48), thresholds=torch.zeros(0), temperatures=torch.zeros(0),
-                         writes=torch.zeros(0, 24))
+    empty = AloeOperator(
+        addresses=torch.zeros(0, 48), thresholds=torch.zeros(0), temperatures=torch.zeros(0), writes=torch.zeros(0, 24)
+    )
     y = torch.randn(3, 24)
     before = y.clone()
     run_kernel(y, torch.randn(3, 48), empty)
@@ -283,8 +310,7 @@ def test_tensor_parallel_split_matches_fused(dtype):
     ref, _ = ref_delta(h, op)
     cut, half = 20, 37  # uneven shards of d and of the edits
     shards = [(slice(0, cut)), (slice(cut, d))]
-    partial = [tp.aloe_gate_partial_scores(h[:, s], op.addresses[:, s], block_t=16, block_n=32, block_d=16)
-               for s in shards]
+    partial = [tp.aloe_gate_partial_scores(h[:, s], op.addresses[:, s], block_t=16, block_n=32, block_d=16) for s in shards]
     for p, s in zip(partial, shards):
         hs = h[:, s].double()
         assert p.shape == (T, n + 1) and p.dtype == torch.float32
@@ -295,8 +321,20 @@ def test_tensor_parallel_split_matches_fused(dtype):
     ys = []
     for lo, hi in ((0, half), (half, n)):  # each rank applies a disjoint share of edits
         y = torch.zeros(T, d_out, dtype=dtype if dtype != torch.bfloat16 else torch.float32)
-        tp.aloe_gate_apply_(y, summed, op.thresholds[lo:hi], op.temperatures[lo:hi], op.writes[lo:hi],
-                            op.eps, op.gate_eps, edit_offset=lo, split=2, block_t=16, block_n=16, block_o=16)
+        tp.aloe_gate_apply_(
+            y,
+            summed,
+            op.thresholds[lo:hi],
+            op.temperatures[lo:hi],
+            op.writes[lo:hi],
+            op.eps,
+            op.gate_eps,
+            edit_offset=lo,
+            split=2,
+            block_t=16,
+            block_n=16,
+            block_o=16,
+        )
         ys.append(y)
     total = ys[0] + ys[1]  # the output all-reduce
     fused = torch.zeros(T, d_out)
@@ -311,8 +349,20 @@ def test_tensor_parallel_apply_deterministic_and_bad_range():
     scores = tp.aloe_gate_partial_scores(h, op.addresses)
     ref, _ = ref_delta(h, op)
     y = torch.zeros(7, 24)
-    tp.aloe_gate_apply_(y, scores, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps,
-                        deterministic=True, split=3, block_t=16, block_n=16, block_o=16)
+    tp.aloe_gate_apply_(
+        y,
+        scores,
+        op.thresholds,
+        op.temperatures,
+        op.writes,
+        op.eps,
+        op.gate_eps,
+        deterministic=True,
+        split=3,
+        block_t=16,
+        block_n=16,
+        block_o=16,
+    )
     assert rel_err(y, ref) <= FP32_TOL
     with pytest.raises(ValueError, match="outside"):
         tp.aloe_gate_apply_(y, scores, op.thresholds, op.temperatures, op.writes, edit_offset=5)
@@ -370,20 +420,33 @@ def test_input_validation_errors():
     with pytest.raises(ValueError, match="gate_eps"):
         gate.aloe_gate_residual_(y, h, A, th, te, W, gate_eps=1.0)
     with pytest.raises(ValueError, match="viewable"):
-        gate.aloe_gate_residual_(torch.zeros(24, 2, 4).permute(2, 1, 0), h.reshape(4, 1, 48).expand(4, 2, 48),
-                                 A, th, te, W)
+        gate.aloe_gate_residual_(torch.zeros(24, 2, 4).permute(2, 1, 0), h.reshape(4, 1, 48).expand(4, 2, 48), A, th, te, W)
     with pytest.raises(ValueError, match="power of two"):
         gate.aloe_gate_residual_(y, h, A, th, te, W, block_n=24)
 
 
 def test_custom_op_registration_opcheck():
     h, op = make_case(7, 48, 24, 10, "mixed", seed=8)
-    args = (torch.zeros(7, 24), h, op.addresses, op.thresholds, op.temperatures, op.writes, EPS, GATE_EPS,
-            False, 2, 16, 16, 32, 16)
-    torch.library.opcheck(torch.ops.aloe.gate_residual_.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.aloe.gate_partial_scores.default, (h, op.addresses, 16, 16, 32),
-                          test_utils=("test_schema", "test_faketensor"))
+    args = (
+        torch.zeros(7, 24),
+        h,
+        op.addresses,
+        op.thresholds,
+        op.temperatures,
+        op.writes,
+        EPS,
+        GATE_EPS,
+        False,
+        2,
+        16,
+        16,
+        32,
+        16,
+    )
+    torch.library.opcheck(torch.ops.aloe.gate_residual_.default, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.aloe.gate_partial_scores.default, (h, op.addresses, 16, 16, 32), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -28,29 +28,60 @@ GATE = "gate"
 
 def _cases():
     def gate_ptrs(dt, out="fp32", src=None):
-        return {"h_ptr": f"*{src or dt}", "a_ptr": f"*{dt}", "thr_ptr": f"*{dt}", "temp_ptr": f"*{dt}",
-                "w_ptr": f"*{dt}", "out_ptr": f"*{out}", "flag_ptr": "*i32"}
+        return {
+            "h_ptr": f"*{src or dt}",
+            "a_ptr": f"*{dt}",
+            "thr_ptr": f"*{dt}",
+            "temp_ptr": f"*{dt}",
+            "w_ptr": f"*{dt}",
+            "out_ptr": f"*{out}",
+            "flag_ptr": "*i32",
+        }
 
     def gate_consts(mode, from_scores, dt, bt, bn, bd, bo, scaled=False, sliced=False):
-        return {"MODE": mode, "FROM_SCORES": from_scores, "SCALED_NORM": scaled, "CAST_SCORES": False,
-                "CAST_WRITES": dt == "fp32", "DOT_PREC": "ieee", "O_SLICED": sliced,
-                "BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd, "BLOCK_O": bo}
+        return {
+            "MODE": mode,
+            "FROM_SCORES": from_scores,
+            "SCALED_NORM": scaled,
+            "CAST_SCORES": False,
+            "CAST_WRITES": dt == "fp32",
+            "DOT_PREC": "ieee",
+            "O_SLICED": sliced,
+            "BLOCK_T": bt,
+            "BLOCK_N": bn,
+            "BLOCK_D": bd,
+            "BLOCK_O": bo,
+        }
 
     return {
         "decode_atomic_bf16": ("gate", gate_ptrs("bf16"), gate_consts(1, False, "bf16", 16, 32, 256, 128), 4),
         "prefill_partial_bf16": ("gate", gate_ptrs("bf16"), gate_consts(2, False, "bf16", 128, 128, 64, 128), 8),
-        "tp_apply_partial_fp16": ("gate", gate_ptrs("fp16", src="fp32"),
-                                  gate_consts(2, True, "fp16", 64, 64, 64, 128), 4),
-        "split_k_apply_partial_bf16": ("gate", gate_ptrs("bf16", src="fp32"),
-                                       gate_consts(2, True, "bf16", 16, 32, 64, 128, scaled=True), 4),
-        "split_k_apply_sliced_atomic_bf16": ("gate", gate_ptrs("bf16", src="fp32"),
-                                             gate_consts(1, True, "bf16", 16, 32, 64, 64, scaled=True, sliced=True), 4),
+        "tp_apply_partial_fp16": ("gate", gate_ptrs("fp16", src="fp32"), gate_consts(2, True, "fp16", 64, 64, 64, 128), 4),
+        "split_k_apply_partial_bf16": (
+            "gate",
+            gate_ptrs("bf16", src="fp32"),
+            gate_consts(2, True, "bf16", 16, 32, 64, 128, scaled=True),
+            4,
+        ),
+        "split_k_apply_sliced_atomic_bf16": (
+            "gate",
+            gate_ptrs("bf16", src="fp32"),
+            gate_consts(1, True, "bf16", 16, 32, 64, 64, scaled=True, sliced=True),
+            4,
+        ),
         "direct_fp32": ("gate", gate_ptrs("fp32"), gate_consts(0, False, "fp32", 64, 64, 128, 128), 4),
-        "reduce_bf16": ("reduce", {"ws_ptr": "*fp32", "flag_ptr": "*i32", "y_ptr": "*bf16"},
-                        {"BLOCK_S": 32, "BLOCK_T": 1, "BLOCK_O": 128}, 4),
-        "scores_bf16": ("scores", {"h_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32"},
-                        {"SCALED_NORM": True, "CAST_SCORES": False, "DOT_PREC": "ieee", "BLOCK_T": 16, "BLOCK_N": 32,
-                         "BLOCK_D": 128}, 4),
+        "reduce_bf16": (
+            "reduce",
+            {"ws_ptr": "*fp32", "flag_ptr": "*i32", "y_ptr": "*bf16"},
+            {"BLOCK_S": 32, "BLOCK_T": 1, "BLOCK_O": 128},
+            4,
+        ),
+        "scores_bf16": (
+            "scores",
+            {"h_ptr": "*bf16", "a_ptr": "*bf16", "out_ptr": "*fp32"},
+            {"SCALED_NORM": True, "CAST_SCORES": False, "DOT_PREC": "ieee", "BLOCK_T": 16, "BLOCK_N": 32, "BLOCK_D": 128},
+            4,
+        ),
     }
 
 
@@ -73,8 +104,9 @@ def main() -> None:
         sig = kernel_signature(fn, ptrs, consts)
         cx = {(fn.arg_names.index(k),): v for k, v in consts.items()}
         try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=target,
-                               options={"num_warps": warps, "num_stages": 3})
+            k = triton.compile(
+                ASTSource(fn=fn, signature=sig, constexprs=cx), target=target, options={"num_warps": warps, "num_stages": 3}
+            )
             results[name] = {"shared": int(k.metadata.shared)}
         except Exception as exc:  # reported to the test
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -90,15 +122,16 @@ def compile_results():
     except ImportError as exc:  # pragma: no cover
         pytest.skip(f"this Triton has no ahead-of-time compile API: {exc}")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=600
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-3000:]
         if "ptxas" in tail.lower() and "not found" in tail.lower():  # pragma: no cover
             pytest.skip("Triton's ptxas is not available here")
         pytest.fail(f"compile script failed (rc={proc.returncode}):\n{tail}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    return json.loads(lines[-1][len("RESULTS ") :])
 
 
 @pytest.mark.parametrize("name", list(_cases()))

@@ -17,8 +17,9 @@ def _case(T, d, d_out, n, open_frac, seed=0, dtype=torch.float32):
     thr = torch.full((n,), 5.0, dtype=torch.float64)
     k = int(round(open_frac * n))
     thr[:k] = -0.2 + 0.3 * torch.rand(k, generator=g, dtype=torch.float64)  # some tokens open these
-    op = AloeOperator(addresses=A, thresholds=thr, temperatures=temps,
-                      writes=torch.randn(n, d_out, generator=g, dtype=torch.float64))
+    op = AloeOperator(
+        addresses=A, thresholds=thr, temperatures=temps, writes=torch.randn(n, d_out, generator=g, dtype=torch.float64)
+    )
     return h.to(dtype), op.to(dtype=dtype)
 
 
@@ -33,13 +34,16 @@ def _rel(a, b):
     return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("T,d,n,open_frac", [
-    (16, 48, 1000, 0.01),   # gather branch, d <= n (inputs normalised)
-    (16, 48, 100, 0.9),     # dense branch (most edits open)
-    (1, 48, 100, 0.05),     # single token
-    (5, 200, 7, 0.3),       # d > n (scores scaled instead of inputs)
-    (7, 48, 50, 0.0),       # nothing open: y untouched
-])
+@pytest.mark.parametrize(
+    "T,d,n,open_frac",
+    [
+        (16, 48, 1000, 0.01),  # gather branch, d <= n (inputs normalised)
+        (16, 48, 100, 0.9),  # dense branch (most edits open)
+        (1, 48, 100, 0.05),  # single token
+        (5, 200, 7, 0.3),  # d > n (scores scaled instead of inputs)
+        (7, 48, 50, 0.0),  # nothing open: y untouched
+    ],
+)
 def test_sparse_branches(T, d, n, open_frac):
     h, op = _case(T, d, 24, n, open_frac, seed=T + n)
     y = torch.randn(T, 24)

@@ -44,15 +44,21 @@ def poisoned_workspaces(monkeypatch):
 def run(y, h, op, **kw):
     args = dict(SMALL)
     args.update(kw)
-    return gate.aloe_gate_residual_(y, h, op.addresses, op.thresholds, op.temperatures, op.writes,
-                                    op.eps, op.gate_eps, **args)
+    return gate.aloe_gate_residual_(y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps, **args)
 
 
 # ------------------------------------------------------------- split-K
-@pytest.mark.parametrize("T,n,k_split,split,det", [
-    (1, 1, 2, 0, False), (1, 50, 3, 4, False), (1, 50, 3, 4, True),
-    (7, 3, 2, 1, False), (7, 50, 3, 2, True), (20, 37, 5, 3, False),
-])
+@pytest.mark.parametrize(
+    "T,n,k_split,split,det",
+    [
+        (1, 1, 2, 0, False),
+        (1, 50, 3, 4, False),
+        (1, 50, 3, 4, True),
+        (7, 3, 2, 1, False),
+        (7, 50, 3, 2, True),
+        (20, 37, 5, 3, False),
+    ],
+)
 def test_split_k_fp32_matches_float64(T, n, k_split, split, det):
     h, op = make_case(T, D, D_OUT, n, "mixed", seed=T * 31 + n)
     ref, g = ref_delta(h, op)
@@ -63,9 +69,14 @@ def test_split_k_fp32_matches_float64(T, n, k_split, split, det):
     assert rel_err(y.double() - 0.25, ref) <= FP32_TOL
 
 
-@pytest.mark.parametrize("dtype,ydtype,det", [
-    (torch.bfloat16, torch.bfloat16, False), (torch.float16, torch.float16, True), (torch.bfloat16, torch.float32, True),
-])
+@pytest.mark.parametrize(
+    "dtype,ydtype,det",
+    [
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.float16, torch.float16, True),
+        (torch.bfloat16, torch.float32, True),
+    ],
+)
 def test_split_k_half_inputs(dtype, ydtype, det):
     h, op = make_case(7, D, D_OUT, 60, "mixed", seed=17)
     h, op = h.to(dtype), cast_op(op, dtype)
@@ -129,13 +140,16 @@ def test_split_k_phase_a_grid_cap(monkeypatch):
 # ------------------------------------------------------ d_out slices
 # D_OUT = 24 with block_o = 16: slices narrower than one tile (5 of 5 columns and one of 4), one tile
 # and a ragged one (2 of 12), one column each (more slices asked than columns).
-@pytest.mark.parametrize("T,n,k_split,o_split,split,ydtype,det", [
-    (1, 1, 2, 5, 0, torch.bfloat16, False),   # partial mode, one edit, one token
-    (1, 50, 3, 2, 4, torch.float32, False),   # atomic
-    (7, 50, 2, 5, 1, torch.float32, True),    # direct (one edit range)
-    (7, 50, 3, 30, 3, torch.float32, True),   # partial, deterministic fp32
-    (20, 37, 2, 3, 3, torch.float16, False),  # two token tiles
-])
+@pytest.mark.parametrize(
+    "T,n,k_split,o_split,split,ydtype,det",
+    [
+        (1, 1, 2, 5, 0, torch.bfloat16, False),  # partial mode, one edit, one token
+        (1, 50, 3, 2, 4, torch.float32, False),  # atomic
+        (7, 50, 2, 5, 1, torch.float32, True),  # direct (one edit range)
+        (7, 50, 3, 30, 3, torch.float32, True),  # partial, deterministic fp32
+        (20, 37, 2, 3, 3, torch.float16, False),  # two token tiles
+    ],
+)
 def test_write_slices_match_float64(T, n, k_split, o_split, split, ydtype, det):
     h, op = make_case(T, D, D_OUT, n, "mixed", seed=T * 7 + n + o_split)
     if ydtype != torch.float32:
@@ -184,17 +198,32 @@ def test_write_slices_chosen_for_tensor_parallel_phase_b(monkeypatch):
     ref, _ = ref_delta(h, op)
     for det in (True, False):
         y = torch.zeros(7, D_OUT)
-        tp.aloe_gate_apply_(y, scores, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps,
-                            deterministic=det, split=2, block_t=16, block_n=16, block_o=16)
+        tp.aloe_gate_apply_(
+            y,
+            scores,
+            op.thresholds,
+            op.temperatures,
+            op.writes,
+            op.eps,
+            op.gate_eps,
+            deterministic=det,
+            split=2,
+            block_t=16,
+            block_n=16,
+            block_o=16,
+        )
         assert rel_err(y, ref) <= FP32_TOL
 
 
 # --------------------------------------------------- tiled reduction
-@pytest.mark.parametrize("T,n,split,ydtype", [
-    (1, 200, 40, torch.bfloat16),   # 40 splits: two reduction steps of 32 (the second ragged)
-    (7, 200, 33, torch.float32),    # deterministic fp32: the partial mode
-    (20, 100, 7, torch.float16),
-])
+@pytest.mark.parametrize(
+    "T,n,split,ydtype",
+    [
+        (1, 200, 40, torch.bfloat16),  # 40 splits: two reduction steps of 32 (the second ragged)
+        (7, 200, 33, torch.float32),  # deterministic fp32: the partial mode
+        (20, 100, 7, torch.float16),
+    ],
+)
 def test_reduce_many_splits(T, n, split, ydtype):
     h, op = make_case(T, 48, D_OUT, n, "mixed", seed=T + split)
     opp = op if ydtype == torch.float32 else cast_op(op, ydtype)
@@ -231,7 +260,7 @@ def test_partial_scores_grid_cap(monkeypatch):
 def test_strided_thresholds_and_temperatures():
     h, op = make_case(7, 48, D_OUT, 30, "mixed", seed=19)
     ref, _ = ref_delta(h, op)
-    thr = torch.stack([op.thresholds, torch.full_like(op.thresholds, 9.0)], 1)[:, 0]   # stride 2
+    thr = torch.stack([op.thresholds, torch.full_like(op.thresholds, 9.0)], 1)[:, 0]  # stride 2
     temp = torch.stack([torch.zeros_like(op.temperatures), op.temperatures], 1)[:, 1]  # stride 2, offset 1
     assert thr.stride(0) == 2 and temp.stride(0) == 2
     for kw in ({"split": 2}, {"split": 2, "k_split": 2}):

@@ -17,24 +17,33 @@ def _edits(n, prefix="e"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_round_trip_bit_exact(tmp_path, dtype):
-    op = random_operator(7, 19, 5, dtype=dtype, edits=_edits(7), layer=3, module_path="model.layers.3.mlp.down_proj",
-                         base_model="tiny", weight_fingerprint="sha256-bf16:abc")
+    op = random_operator(
+        7,
+        19,
+        5,
+        dtype=dtype,
+        edits=_edits(7),
+        layer=3,
+        module_path="model.layers.3.mlp.down_proj",
+        base_model="tiny",
+        weight_fingerprint="sha256-bf16:abc",
+    )
     op.save(tmp_path / "art")
     back = AloeOperator.load(tmp_path / "art", device=op.device)
     for k in ("addresses", "thresholds", "temperatures", "writes"):
         a, b = getattr(op, k), getattr(back, k)
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert back.edits == op.edits and back.layer == 3 and back.module_path == op.module_path
-    assert (back.eps, back.gate_eps, back.base_model, back.weight_fingerprint) == \
-        (1e-6, 1e-3, "tiny", "sha256-bf16:abc")
+    assert (back.eps, back.gate_eps, back.base_model, back.weight_fingerprint) == (1e-6, 1e-3, "tiny", "sha256-bf16:abc")
     assert back.fingerprint() == op.fingerprint()
     config = json.loads((tmp_path / "art" / CONFIG_NAME).read_text())
     assert config["n"] == 7 and config["d"] == 19 and config["d_out"] == 5 and config["format_version"] == 1
 
 
 def test_construct_directly_with_keywords():
-    op = AloeOperator(addresses=torch.zeros(2, 4), thresholds=torch.zeros(2), temperatures=torch.ones(2),
-                      writes=torch.zeros(2, 3))
+    op = AloeOperator(
+        addresses=torch.zeros(2, 4), thresholds=torch.zeros(2), temperatures=torch.ones(2), writes=torch.zeros(2, 3)
+    )
     assert (op.n, op.d, op.d_out, op.eps, op.gate_eps) == (2, 4, 3, 1e-6, 1e-3)
     assert op.ids == ["edit-0", "edit-1"]
 
@@ -57,8 +66,7 @@ def test_construct_directly_with_keywords():
     ],
 )
 def test_construction_validation(field, value, match):
-    kw = dict(addresses=torch.zeros(3, 4), thresholds=torch.zeros(3), temperatures=torch.ones(3),
-              writes=torch.zeros(3, 5))
+    kw = dict(addresses=torch.zeros(3, 4), thresholds=torch.zeros(3), temperatures=torch.ones(3), writes=torch.zeros(3, 5))
     kw[field] = value
     with pytest.raises(ArtifactError, match=match):
         AloeOperator(**kw)

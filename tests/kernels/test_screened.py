@@ -15,8 +15,9 @@ from aloe_kernels.screened import SCREEN_MARGIN, screen_limit, screened_residual
 
 def _screened(h, op, limit):
     y = torch.zeros(h.shape[0], op.writes.shape[1])
-    screened_residual_(y, h, op.addresses.to(torch.bfloat16), limit, op.addresses, op.thresholds, op.temperatures,
-                       op.writes, op.eps, op.gate_eps)
+    screened_residual_(
+        y, h, op.addresses.to(torch.bfloat16), limit, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps
+    )
     return y
 
 
@@ -54,4 +55,4 @@ def test_screen_limit_scales_with_the_norm_and_the_floor():
     # unit address: the plain margin; norm 100: 100 times it; zero address, floor -300.7: 300.7 times it
     # (each within the bf16 rounding of the limit)
     for m, scale, f in zip(margins.tolist(), (1.0, 100.0, float(floor[2].abs())), floor.abs().tolist()):
-        assert abs(m - SCREEN_MARGIN * scale) <= 2 ** -8 * f + 1e-6
+        assert abs(m - SCREEN_MARGIN * scale) <= 2**-8 * f + 1e-6

@@ -21,8 +21,7 @@ def _run(h: torch.Tensor, op: AloeOperator, seed: int = 0) -> tuple[torch.Tensor
     """(y0, y0 + the path's residual): y starts random, so a path that overwrites y fails."""
     y0 = torch.randn(*h.shape[:-1], op.d_out, generator=torch.Generator().manual_seed(seed))
     y = y0.clone()
-    int8_screened_residual_(y, h, _screen(op), op.addresses, op.thresholds, op.temperatures, op.writes, op.eps,
-                            op.gate_eps)
+    int8_screened_residual_(y, h, _screen(op), op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)
     return y0, y
 
 
@@ -58,8 +57,7 @@ def test_the_bound_holds_for_every_pair_and_is_not_vacuous():
         if T > 2:
             h[1] = 3.0  # a constant row: min == max
         addresses = _outlier_states(n, d, seed + 100) * (20.0 + 150.0 * torch.rand(n, 1, generator=g))
-        op = AloeOperator(addresses=addresses, thresholds=torch.zeros(n), temperatures=torch.ones(n),
-                          writes=torch.zeros(n, 3))
+        op = AloeOperator(addresses=addresses, thresholds=torch.zeros(n), temperatures=torch.ones(n), writes=torch.zeros(n, 3))
         hn = normalize_rows(h, op.eps)
         score, slack = _screen(op).bounds(hn)
         exact = normalize_rows(h.double(), op.eps).double() @ addresses.double().T
@@ -84,8 +82,7 @@ def test_the_bound_is_tight_where_rounding_errors_align():
     k = torch.randint(1, ADDRESS_LEVELS, (d,), generator=g).double()  # grid values, all positive
     v = step * (k + 0.499 * torch.sign(hn[0]))
     v[0] = step * ADDRESS_LEVELS  # the row's largest entry sets the step, on the grid
-    op = AloeOperator(addresses=v[None].float(), thresholds=torch.zeros(1), temperatures=torch.ones(1),
-                      writes=torch.zeros(1, 2))
+    op = AloeOperator(addresses=v[None].float(), thresholds=torch.zeros(1), temperatures=torch.ones(1), writes=torch.zeros(1, 2))
     score, slack = _screen(op).bounds(hn.float())
     error = float((hn @ v.double()[:, None])[0, 0] - score.double()[0, 0])
     assert abs(error) <= float(slack)
@@ -98,13 +95,12 @@ def test_int8_product_does_not_saturate():
     h = torch.full((2, d), 1.0)
     h[:, 0] = -1.0  # the row's minimum: every other entry of x is exactly 1
     addresses = torch.ones(n, d) * torch.tensor([[5.0], [-5.0], [0.5]])
-    op = AloeOperator(addresses=addresses, thresholds=torch.zeros(n), temperatures=torch.ones(n),
-                      writes=torch.zeros(n, 2))
+    op = AloeOperator(addresses=addresses, thresholds=torch.zeros(n), temperatures=torch.ones(n), writes=torch.zeros(n, 2))
     hn = normalize_rows(h, op.eps)
     score, slack = _screen(op).bounds(hn)
     exact = hn.double() @ addresses.double().T
     assert bool(((exact - score.double()).abs() <= slack.double()).all())
-    assert ADDRESS_LEVELS * STATE_LEVELS * 2 < 2 ** 15
+    assert ADDRESS_LEVELS * STATE_LEVELS * 2 < 2**15
 
 
 def test_edges_zero_rows_all_closed_all_open_and_small_sizes():
@@ -137,8 +133,17 @@ def test_screen_prepared_for_another_operator_is_refused():
     op = random_operator(10, 97, 13)
     other = Int8Screen.prepare(op.addresses[:4], op.thresholds[:4], op.temperatures[:4], op.gate_eps)
     with pytest.raises(ValueError, match="4 edits"):
-        int8_screened_residual_(torch.zeros(2, 13), torch.randn(2, 97), other, op.addresses, op.thresholds,
-                                op.temperatures, op.writes, op.eps, op.gate_eps)
+        int8_screened_residual_(
+            torch.zeros(2, 13),
+            torch.randn(2, 97),
+            other,
+            op.addresses,
+            op.thresholds,
+            op.temperatures,
+            op.writes,
+            op.eps,
+            op.gate_eps,
+        )
 
 
 def test_the_screen_drops_most_edits_of_served_like_operators():

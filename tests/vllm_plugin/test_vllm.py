@@ -98,15 +98,15 @@ def test_tp_split_math_matches_reference(tp):
     assert (want.abs().sum(1) > 0).sum() >= 4
     ds = d // tp
     shards = [slice(r * ds, (r + 1) * ds if r < tp - 1 else d) for r in range(tp)]
-    scores = sum(torch.ops.aloe_vllm.partial_scores(h[:, s].contiguous(), op.addresses[:, s].contiguous())
-                 for s in shards)
+    scores = sum(torch.ops.aloe_vllm.partial_scores(h[:, s].contiguous(), op.addresses[:, s].contiguous()) for s in shards)
     assert scores.shape == (T, n + 1) and scores.dtype == torch.float32
     got = torch.zeros(T, d_out)
     for r in range(tp):
         lo, hi = edit_share(n, r, tp)
         y = torch.zeros(T, d_out)
-        torch.ops.aloe_vllm.apply_from_scores_(y, scores, op.thresholds[lo:hi], op.temperatures[lo:hi],
-                                               op.writes[lo:hi], op.eps, op.gate_eps, lo)
+        torch.ops.aloe_vllm.apply_from_scores_(
+            y, scores, op.thresholds[lo:hi], op.temperatures[lo:hi], op.writes[lo:hi], op.eps, op.gate_eps, lo
+        )
         got += y
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # TP=1 op: in place through the runtime dispatch
@@ -131,7 +131,7 @@ def test_screened_cpu_path_is_exact(dtype):
     # as built ones are (the screen's bf16 error grows with the norm).
     hn = torch.nn.functional.normalize(h, dim=1)
     rows = torch.randint(0, T, (n // 2,), generator=g)
-    noisy = torch.nn.functional.normalize(hn[rows] + 0.3 * torch.randn(n // 2, d, generator=g) / d ** 0.5, dim=1)
+    noisy = torch.nn.functional.normalize(hn[rows] + 0.3 * torch.randn(n // 2, d, generator=g) / d**0.5, dim=1)
     op.addresses[: n // 2] = 120.0 * noisy
     exact = 120.0 * (hn[rows] * noisy).sum(1)
     floor_shift = math.log(op.gate_eps / (1 - op.gate_eps)) / op.temperatures[: n // 2]
@@ -144,18 +144,35 @@ def test_screened_cpu_path_is_exact(dtype):
     y = torch.zeros(T, d_out, dtype=dtype)
     a_lo = op.addresses.to(torch.bfloat16)
     lim = screen_limit(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
-    screened_residual_(y, hx, a_lo, lim, op.addresses, op.thresholds, op.temperatures, op.writes,
-                       op.eps, op.gate_eps)
+    screened_residual_(y, hx, a_lo, lim, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
     # through the custom op, with the prepacked oneDNN GEMM (vLLM's CPU kernel) when available
     bufs = screen_buffers(n, op.addresses)
-    refresh_screen_(bufs["aloe_addresses_lo"], bufs["aloe_screen_handle"], bufs["aloe_limit_lo"], op.addresses,
-                    op.thresholds, op.temperatures, op.gate_eps, n)
+    refresh_screen_(
+        bufs["aloe_addresses_lo"],
+        bufs["aloe_screen_handle"],
+        bufs["aloe_limit_lo"],
+        op.addresses,
+        op.thresholds,
+        op.temperatures,
+        op.gate_eps,
+        n,
+    )
     y2 = torch.zeros(T, d_out, dtype=dtype)
-    torch.ops.aloe_vllm.screened_residual_(y2, hx, bufs["aloe_addresses_lo"], bufs["aloe_screen_handle"], lim,
-                                           op.addresses, op.thresholds, op.temperatures, op.writes, op.eps,
-                                           op.gate_eps)
+    torch.ops.aloe_vllm.screened_residual_(
+        y2,
+        hx,
+        bufs["aloe_addresses_lo"],
+        bufs["aloe_screen_handle"],
+        lim,
+        op.addresses,
+        op.thresholds,
+        op.temperatures,
+        op.writes,
+        op.eps,
+        op.gate_eps,
+    )
     torch.testing.assert_close(y2, y)
 
 
@@ -190,8 +207,18 @@ def tiny(tmp_path_factory):
         remove_aloe(model)
         serve = export_vllm(base, root / "op", root / "serve")
         ids = [tok(p).input_ids for p in prompts]
-        out[family] = dict(base=base, op=root / "op", serve=serve, prompts=prompts, ids=ids, hf_base=hf_base,
-                           hf_edit=hf_edit, model=model, tok=tok, op_obj=op)
+        out[family] = dict(
+            base=base,
+            op=root / "op",
+            serve=serve,
+            prompts=prompts,
+            ids=ids,
+            hf_base=hf_base,
+            hf_edit=hf_edit,
+            model=model,
+            tok=tok,
+            op_obj=op,
+        )
     return out
 
 
@@ -219,14 +246,18 @@ def test_tiny_parity_eager_and_compiled(tiny, family, vllm_cache):
 
 def test_tp2_equals_tp1(tiny, vllm_cache):
     t = tiny["llama"]
-    tp1 = t.get("vllm_tp1") or run_vllm_generate(
-        [{"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS}],
-        env=vllm_env(1, vllm_cache),
-    )[0]
+    tp1 = (
+        t.get("vllm_tp1")
+        or run_vllm_generate(
+            [{"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS}],
+            env=vllm_env(1, vllm_cache),
+        )[0]
+    )
     run = {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TINY_TOKENS, "eager": True}
     tp2_torch, tp2_kernel = run_vllm_generate(
         [run, {**run, "env": {"TRITON_INTERPRET": "1"}}],  # PyTorch split, then the Triton split kernels
-        tp=2, env=vllm_env(2, vllm_cache),
+        tp=2,
+        env=vllm_env(2, vllm_cache),
     )
     assert tp2_torch == tp1
     assert tp2_kernel == tp1
@@ -276,8 +307,9 @@ def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
         export_vllm(llama["base"], qwen["op"], tmp_path / "a")
     # Layer out of range.
     op = AloeOperator.load(llama["op"])
-    bad = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")},
-                       layer=7, edits=op.edits)
+    bad = AloeOperator(
+        **{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")}, layer=7, edits=op.edits
+    )
     bad.save(tmp_path / "op-layer")
     with pytest.raises(AloeSpecError, match="out of range"):
         export_vllm(llama["base"], tmp_path / "op-layer", tmp_path / "b")
@@ -309,8 +341,14 @@ def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
 
 def _serve_cli(*args, timeout=120):
     env = vllm_env(1)
-    return subprocess.run([sys.executable, "-m", "aloe_cli", "serve", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "aloe_cli", "serve", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(REPO),
+    )
 
 
 def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
@@ -321,20 +359,49 @@ def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
     (tmp_path / "empty").mkdir()
     proc = _serve_cli("--model", str(llama["base"]), "--operator", str(tmp_path / "empty"))
     assert proc.returncode == 2 and "aloe_config.json" in proc.stderr
-    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(llama["op"]), "--out", str(tmp_path / "ok"),
-                      "--dry-run", "--", "--enforce-eager")
+    proc = _serve_cli(
+        "--model",
+        str(llama["base"]),
+        "--operator",
+        str(llama["op"]),
+        "--out",
+        str(tmp_path / "ok"),
+        "--dry-run",
+        "--",
+        "--enforce-eager",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "vllm.entrypoints.openai.api_server" in proc.stdout and "--enforce-eager" in proc.stdout
     assert "--middleware" not in proc.stdout  # no admin key: no live-edit endpoints
     # Live edits: slots reserved in the export, vLLM's extension points on, the key kept off argv.
-    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(llama["op"]), "--out", str(tmp_path / "live"),
-                      "--max-edits", "8", "--admin-key", "s3cret", "--dry-run")
+    proc = _serve_cli(
+        "--model",
+        str(llama["base"]),
+        "--operator",
+        str(llama["op"]),
+        "--out",
+        str(tmp_path / "live"),
+        "--max-edits",
+        "8",
+        "--admin-key",
+        "s3cret",
+        "--dry-run",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "aloe_vllm.admin.AloeAdminMiddleware" in proc.stdout and "AloeWorkerExtension" in proc.stdout
     assert "s3cret" not in proc.stdout + proc.stderr
     assert json.loads((tmp_path / "live" / "config.json").read_text())["aloe"]["capacity"] == 8
-    proc = _serve_cli("--model", str(llama["base"]), "--operator", str(llama["op"]), "--out", str(tmp_path / "few"),
-                      "--max-edits", "2", "--dry-run")
+    proc = _serve_cli(
+        "--model",
+        str(llama["base"]),
+        "--operator",
+        str(llama["op"]),
+        "--out",
+        str(tmp_path / "few"),
+        "--max-edits",
+        "2",
+        "--dry-run",
+    )
     assert proc.returncode == 2 and "below the operator's 3 edits" in proc.stderr
 
 
@@ -343,8 +410,15 @@ def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
 
 SMOL_EDITS = 20
 # A light build (small encoder corpus, few steps) so that the fixture takes about a minute.
-SMOL_BUILD = dict(encoder_records=300, encoder_steps=150, negative_pool_records=100, negatives_questions=100,
-                  refine_steps=300, finetune_steps=20, finetune_batch=20)
+SMOL_BUILD = dict(
+    encoder_records=300,
+    encoder_steps=150,
+    negative_pool_records=100,
+    negatives_questions=100,
+    refine_steps=300,
+    finetune_steps=20,
+    finetune_batch=20,
+)
 
 
 @pytest.fixture(scope="module")
@@ -361,8 +435,20 @@ def smol(tmp_path_factory):
     from aloe_vllm.export import export_vllm
 
     root = tmp_path_factory.mktemp("smol")
-    cmd = [sys.executable, "-m", "aloe_cli", "build", "--model", "smollm2", "--edits", str(DEMO_EDITS),
-           "--limit", str(SMOL_EDITS), "--out", str(root / "op")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aloe_cli",
+        "build",
+        "--model",
+        "smollm2",
+        "--edits",
+        str(DEMO_EDITS),
+        "--limit",
+        str(SMOL_EDITS),
+        "--out",
+        str(root / "op"),
+    ]
     for key, value in SMOL_BUILD.items():
         cmd += ["--set", f"{key}={value}"]
     env = {**os.environ, "TQDM_DISABLE": "1", "TRITON_INTERPRET": "0"}
@@ -410,8 +496,19 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
 
 
 def _start_server(model_dir: Path, port: int, log: Path, extra=()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *SERVER_ARGS,
+        *extra,
+    ]
     return start_server(cmd, log)
 
 
@@ -426,8 +523,7 @@ def test_openai_server_edited_fact_and_concurrency(smol, tmp_path):
         model = str(smol["serve"])
 
         def complete(prompt: str) -> list[int]:
-            body = {"model": model, "prompt": prompt, "max_tokens": SMOL_TOKENS, "temperature": 0,
-                    "return_token_ids": True}
+            body = {"model": model, "prompt": prompt, "max_tokens": SMOL_TOKENS, "temperature": 0, "return_token_ids": True}
             return list(_post(url, body)["choices"][0]["token_ids"])
 
         # An edited fact comes out exactly as in the patched transformers model.

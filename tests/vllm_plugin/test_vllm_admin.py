@@ -66,22 +66,44 @@ def live(tmp_path_factory):
     first = {t: tok(" " + t, add_special_tokens=False).input_ids[0] for t in [t for _, t in FACTS] + [CORRECTED]}
     port = vh.free_port()
     log = root / "server.log"
-    cmd = [sys.executable, "-m", "aloe_cli", "serve", "--model", "smollm2", "--operator", str(root / "A"),
-           "--out", str(root / "serve"), "--max-edits", str(CAPACITY), "--admin-key", KEY, "--port", str(port),
-           "--", *vh.SERVER_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aloe_cli",
+        "serve",
+        "--model",
+        "smollm2",
+        "--operator",
+        str(root / "A"),
+        "--out",
+        str(root / "serve"),
+        "--max-edits",
+        str(CAPACITY),
+        "--admin-key",
+        KEY,
+        "--port",
+        str(port),
+        "--",
+        *vh.SERVER_ARGS,
+    ]
     # The screened path: its prepacked screen matrix is rebuilt by every swap.
     proc = vh.start_server(cmd, log, ALOE_VLLM_SCREEN="1")
     try:
         vh.wait_ready(proc, port, log)
-        yield dict(root=root, url=f"http://127.0.0.1:{port}", model=str(root / "serve"), hf=hf, first=first,
-                   hashes={k: AloeOperator.load(root / k).fingerprint() for k in ops})
+        yield dict(
+            root=root,
+            url=f"http://127.0.0.1:{port}",
+            model=str(root / "serve"),
+            hf=hf,
+            first=first,
+            hashes={k: AloeOperator.load(root / k).fingerprint() for k in ops},
+        )
     finally:
         vh.stop_server(proc)
 
 
 def _complete(live, prompt: str) -> list[int]:
-    body = {"model": live["model"], "prompt": prompt, "max_tokens": TOKENS, "temperature": 0,
-            "return_token_ids": True}
+    body = {"model": live["model"], "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True}
     status, out = vh.http_json("POST", live["url"] + "/v1/completions", body)
     assert status == 200, out
     return list(out["choices"][0]["token_ids"])
@@ -134,10 +156,18 @@ def _corrupt_copies(live) -> dict[str, Path]:
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
     out["safetensors"] = root / "bad-truncated"
     out["fingerprint mismatch"] = dataclasses.replace(a, weight_fingerprint="sha256-bf16:" + "0" * 32).save(
-        root / "bad-fingerprint")
-    big = AloeOperator(addresses=a.addresses[[0] * (CAPACITY + 1)], thresholds=a.thresholds[[0] * (CAPACITY + 1)],
-                       temperatures=a.temperatures[[0] * (CAPACITY + 1)], writes=a.writes[[0] * (CAPACITY + 1)],
-                       layer=a.layer, weight_fingerprint=a.weight_fingerprint, eps=a.eps, gate_eps=a.gate_eps)
+        root / "bad-fingerprint"
+    )
+    big = AloeOperator(
+        addresses=a.addresses[[0] * (CAPACITY + 1)],
+        thresholds=a.thresholds[[0] * (CAPACITY + 1)],
+        temperatures=a.temperatures[[0] * (CAPACITY + 1)],
+        writes=a.writes[[0] * (CAPACITY + 1)],
+        layer=a.layer,
+        weight_fingerprint=a.weight_fingerprint,
+        eps=a.eps,
+        gate_eps=a.gate_eps,
+    )
     out[f"capacity of {CAPACITY}"] = big.save(root / "bad-too-many")
     out["expected an ALOE artifact directory"] = root / "does-not-exist"
     return out

@@ -53,8 +53,8 @@ def test_inert_slots_gate_exactly_zero(gate_eps):
     h[1] = op.addresses[0] * 1e6
     h[2] = -h[2] * 1e-8
     gates = aloe_gates(h, padded)
-    assert torch.count_nonzero(gates[:, op.n:]) == 0
-    assert torch.count_nonzero(gates[:, :op.n]) > 0  # the live edits do open somewhere
+    assert torch.count_nonzero(gates[:, op.n :]) == 0
+    assert torch.count_nonzero(gates[:, : op.n]) > 0  # the live edits do open somewhere
     # Equal up to float64 summation order (the GEMM blocks the longer sum differently).
     torch.testing.assert_close(aloe_reference(h, padded), aloe_reference(h, op), rtol=1e-12, atol=1e-12)
 
@@ -74,35 +74,56 @@ def test_cpu_ops_skip_inert_slots_and_screen_stays_exact():
     padded = _pad_inert(op, slots)
     active = torch.tensor([n])
     y = torch.zeros(T, d_out)
-    torch.ops.aloe_vllm.residual_(y, h, padded.addresses, padded.thresholds, padded.temperatures, padded.writes,
-                                  op.eps, op.gate_eps, active)
+    torch.ops.aloe_vllm.residual_(
+        y, h, padded.addresses, padded.thresholds, padded.temperatures, padded.writes, op.eps, op.gate_eps, active
+    )
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     bufs = screen_buffers(slots, padded.addresses)
-    refresh_screen_(bufs["aloe_addresses_lo"], bufs["aloe_screen_handle"], bufs["aloe_limit_lo"], padded.addresses,
-                    padded.thresholds, padded.temperatures, op.gate_eps, n)
+    refresh_screen_(
+        bufs["aloe_addresses_lo"],
+        bufs["aloe_screen_handle"],
+        bufs["aloe_limit_lo"],
+        padded.addresses,
+        padded.thresholds,
+        padded.temperatures,
+        op.gate_eps,
+        n,
+    )
     assert torch.isinf(bufs["aloe_limit_lo"][n:]).all()  # inert slots never pass the screen
     y = torch.zeros(T, d_out)
-    torch.ops.aloe_vllm.screened_residual_(y, h, bufs["aloe_addresses_lo"], bufs["aloe_screen_handle"],
-                                           bufs["aloe_limit_lo"], padded.addresses, padded.thresholds,
-                                           padded.temperatures, padded.writes, op.eps, op.gate_eps, active)
+    torch.ops.aloe_vllm.screened_residual_(
+        y,
+        h,
+        bufs["aloe_addresses_lo"],
+        bufs["aloe_screen_handle"],
+        bufs["aloe_limit_lo"],
+        padded.addresses,
+        padded.thresholds,
+        padded.temperatures,
+        padded.writes,
+        op.eps,
+        op.gate_eps,
+        active,
+    )
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     handle = torch.zeros((), dtype=torch.int64)
     refresh_int8_screen_(handle, padded.addresses, padded.thresholds, padded.temperatures, op.gate_eps, n)
     assert int8_screen_of(handle).n == n  # only the live rows are screened
     y = torch.zeros(T, d_out)
-    torch.ops.aloe_vllm.int8_screened_residual_(y, h, handle, padded.addresses, padded.thresholds,
-                                                padded.temperatures, padded.writes, op.eps, op.gate_eps, active)
+    torch.ops.aloe_vllm.int8_screened_residual_(
+        y, h, handle, padded.addresses, padded.thresholds, padded.temperatures, padded.writes, op.eps, op.gate_eps, active
+    )
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     # No live edits: nothing is added.
     y = torch.zeros(T, d_out)
-    torch.ops.aloe_vllm.residual_(y, h, padded.addresses, padded.thresholds, padded.temperatures, padded.writes,
-                                  op.eps, op.gate_eps, torch.tensor([0]))
+    torch.ops.aloe_vllm.residual_(
+        y, h, padded.addresses, padded.thresholds, padded.temperatures, padded.writes, op.eps, op.gate_eps, torch.tensor([0])
+    )
     assert torch.count_nonzero(y) == 0
 
 
 def test_capacity_in_spec_and_swap_checks():
-    spec = AloeSpec(layer=1, n=2, d=64, d_out=24, eps=1e-6, gate_eps=1e-3, weight_fingerprint="fp-base",
-                    capacity=4)
+    spec = AloeSpec(layer=1, n=2, d=64, d_out=24, eps=1e-6, gate_eps=1e-3, weight_fingerprint="fp-base", capacity=4)
     assert AloeSpec.from_config({"aloe": spec.to_json()}) == spec and spec.slots == 4
     assert "capacity" not in dataclasses.replace(spec, capacity=None).to_json()
     assert dataclasses.replace(spec, capacity=None).slots == 2
@@ -160,11 +181,17 @@ def test_offline_swap_tp1_and_tp2(tiny_swap, tmp_path):
     Capacity 5 over two ranks puts the added edit (slot 2) in rank 1's share of the writes.
     """
     t = tiny_swap
-    run = {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TOKENS, "eager": True,
-           "swaps": [str(t["root"] / "B"), str(t["root"] / "A")]}
+    run = {
+        "model": str(t["serve"]),
+        "prompt_token_ids": t["ids"],
+        "max_tokens": TOKENS,
+        "eager": True,
+        "swaps": [str(t["root"] / "B"), str(t["root"] / "A")],
+    }
     want = [t["hf"]["A"], t["hf"]["B"], t["hf"]["A"]]
-    tp1, tp1_int8 = run_vllm_generate([{**run, "env": {"ALOE_VLLM_SCREEN": "0"}},
-                                       {**run, "env": {"ALOE_VLLM_SCREEN": "int8"}}], env=vllm_env(1))
+    tp1, tp1_int8 = run_vllm_generate(
+        [{**run, "env": {"ALOE_VLLM_SCREEN": "0"}}, {**run, "env": {"ALOE_VLLM_SCREEN": "int8"}}], env=vllm_env(1)
+    )
     assert tp1 == want
     assert tp1_int8 == want  # the int8 screen is prepared again for each operator swapped in
     (tp2,) = run_vllm_generate([run], tp=2, env=vllm_env(2))

@@ -44,8 +44,7 @@ __all__ = [
 ]
 
 
-def save_tiny_model(out: str | os.PathLike, family: str = "llama", seed: int = 0, num_layers: int = 3,
-                    tokenizer=None) -> Path:
+def save_tiny_model(out: str | os.PathLike, family: str = "llama", seed: int = 0, num_layers: int = 3, tokenizer=None) -> Path:
     """Save a tiny random causal LM (vLLM-compatible shapes) and a tokenizer to ``out``.
 
     hidden 64, 2 heads of 32 (vLLM's CPU attention needs head sizes >= 32),
@@ -57,13 +56,20 @@ def save_tiny_model(out: str | os.PathLike, family: str = "llama", seed: int = 0
         from tiny_models import tiny_tokenizer  # tests/ is on sys.path (tests/conftest.py's directory)
 
         tokenizer = tiny_tokenizer()
-    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
-           "mistral": tf.MistralConfig}[family]
+    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config, "mistral": tf.MistralConfig}[family]
     config = cls(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -100,8 +106,16 @@ def capture_down_proj_inputs(model, tokenizer, prompts: Sequence[str], layer: in
 
 
 def make_edit_operator(
-    model, tokenizer, prompts: Sequence[str], targets: Sequence[str], layer: int,
-    *, steps: int = 25, lr: float = 0.5, threshold: float = 0.9, temperature: float = 40.0,
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    targets: Sequence[str],
+    layer: int,
+    *,
+    steps: int = 25,
+    lr: float = 0.5,
+    threshold: float = 0.9,
+    temperature: float = 40.0,
     extra_open: Sequence[Sequence[str]] | None = None,
 ) -> AloeOperator:
     """An operator with one edit per (prompt, target): opens at the prompt's last token, emits the target.
@@ -124,19 +138,26 @@ def make_edit_operator(
     for i, extra in enumerate(extra_open):
         if extra:
             he = torch.nn.functional.normalize(capture_down_proj_inputs(model, tokenizer, extra, layer), dim=1)
-            own = torch.cat([h[i:i + 1], he])
+            own = torch.cat([h[i : i + 1], he])
             a = torch.nn.functional.normalize(own.mean(0), dim=0)
             addresses[i] = a
             thresholds[i] = min(float(threshold), float((own @ a).min()) - 0.02)
-    target_ids = [tokenizer(" " + t.lstrip() if not t.startswith(" ") else t, add_special_tokens=False).input_ids[0]
-                  for t in targets]
+    target_ids = [
+        tokenizer(" " + t.lstrip() if not t.startswith(" ") else t, add_special_tokens=False).input_ids[0] for t in targets
+    ]
     fp = weight_fingerprint(site.weight())
-    edits = [{"id": f"edit-{i}", "request": p, "target": t, "subject": None}
-             for i, (p, t) in enumerate(zip(prompts, targets))]
+    edits = [{"id": f"edit-{i}", "request": p, "target": t, "subject": None} for i, (p, t) in enumerate(zip(prompts, targets))]
     temps = torch.full((n,), float(temperature))
     writes = torch.zeros(n, d_out, requires_grad=True)
-    shell = AloeOperator(addresses=addresses, thresholds=thresholds, temperatures=temps,
-                         writes=torch.zeros(n, d_out), layer=layer, weight_fingerprint=fp, edits=edits)
+    shell = AloeOperator(
+        addresses=addresses,
+        thresholds=thresholds,
+        temperatures=temps,
+        writes=torch.zeros(n, d_out),
+        layer=layer,
+        weight_fingerprint=fp,
+        edits=edits,
+    )
     # One left-padded batch of every prompt an edit must fire on; the prefix KV
     # cache is computed once (the write only changes the last token's stream).
     texts, tids = [], []
@@ -155,8 +176,7 @@ def make_edit_operator(
         raise ValueError("every prompt must have at least two tokens")
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     with torch.no_grad():
-        past = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
-                     use_cache=True).past_key_values
+        past = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True).past_key_values
     tids_t = torch.tensor(tids)
     wrapper = apply_aloe(model, shell, layer)
     opt = torch.optim.Adam([writes], lr=lr)
@@ -166,17 +186,33 @@ def make_edit_operator(
             opt.zero_grad()
             with torch.enable_grad():
                 cache = copy.deepcopy(past)  # the forward appends to the cache
-                logits = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
-                               past_key_values=cache, use_cache=True).logits[:, -1].float()
+                logits = (
+                    model(
+                        input_ids=ids[:, -1:],
+                        attention_mask=mask,
+                        position_ids=pos[:, -1:],
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
+                    .logits[:, -1]
+                    .float()
+                )
                 loss = -torch.log_softmax(logits, -1).gather(1, tids_t[:, None]).sum()
             loss.backward()
             opt.step()
     finally:
         remove_aloe(model)
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
-    return AloeOperator(addresses=addresses, thresholds=thresholds, temperatures=temps,
-                        writes=writes.detach().clone(), layer=layer, weight_fingerprint=fp,
-                        base_model=name, edits=edits)
+    return AloeOperator(
+        addresses=addresses,
+        thresholds=thresholds,
+        temperatures=temps,
+        writes=writes.detach().clone(),
+        layer=layer,
+        weight_fingerprint=fp,
+        base_model=name,
+        edits=edits,
+    )
 
 
 @contextlib.contextmanager
@@ -234,8 +270,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(method: str, url: str, body: dict | None = None, key: str | None = None,
-              timeout: float = 300) -> tuple[int, dict]:
+def http_json(method: str, url: str, body: dict | None = None, key: str | None = None, timeout: float = 300) -> tuple[int, dict]:
     """``(status, JSON body)`` of one request; 4xx/5xx answers are returned, not raised."""
     import json
     import urllib.error
@@ -301,6 +336,7 @@ def stop_server(proc) -> None:
 
 # --------------------------------------------------------------------------- vLLM runs in a child process
 
+
 def vllm_env(tp: int = 1, cache_root: str | None = None, **extra: str) -> dict[str, str]:
     """Environment for running vLLM on CPU in a child process (see :func:`run_vllm_generate`)."""
     env = dict(os.environ)
@@ -320,8 +356,14 @@ def vllm_env(tp: int = 1, cache_root: str | None = None, **extra: str) -> dict[s
     return env
 
 
-def run_vllm_generate(runs: list[dict], *, tp: int = 1, env: dict[str, str] | None = None,
-                      timeout: float = 900, workdir: str | os.PathLike | None = None) -> list[list[list[int]]]:
+def run_vllm_generate(
+    runs: list[dict],
+    *,
+    tp: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+    workdir: str | os.PathLike | None = None,
+) -> list[list[list[int]]]:
     """Greedy generation with ``vllm.LLM`` in a child process; one result list per run.
 
     Each run is ``{"model": dir, "prompts": [...], "max_tokens": n, "eager": bool}``, or has
@@ -343,7 +385,10 @@ def run_vllm_generate(runs: list[dict], *, tp: int = 1, env: dict[str, str] | No
         spec.write_text(json.dumps({"runs": runs, "tp": tp}))
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), str(spec), str(out)],
-            env=env if env is not None else vllm_env(tp), capture_output=True, text=True, timeout=timeout,
+            env=env if env is not None else vllm_env(tp),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if proc.returncode != 0 or not out.is_file():
             tail = (proc.stdout + proc.stderr)[-6000:]
@@ -365,12 +410,19 @@ def _child_main(spec_path: str, out_path: str) -> None:
     for run in spec["runs"]:
         os.environ.update(run.get("env", {}))  # read at call time (TRITON_INTERPRET) or by spawned workers
         token_ids = run.get("prompt_token_ids")
-        llm = LLM(model=run["model"], dtype=run.get("dtype", "float32"), enforce_eager=bool(run.get("eager", True)),
-                  max_model_len=int(run.get("max_model_len", 256)), seed=0,
-                  tensor_parallel_size=int(spec.get("tp", 1)), skip_tokenizer_init=token_ids is not None,
-                  worker_extension_cls=EXTENSION if "swaps" in run else "")
-        params = SamplingParams(temperature=0.0, max_tokens=int(run["max_tokens"]), ignore_eos=False,
-                                detokenize=token_ids is None)
+        llm = LLM(
+            model=run["model"],
+            dtype=run.get("dtype", "float32"),
+            enforce_eager=bool(run.get("eager", True)),
+            max_model_len=int(run.get("max_model_len", 256)),
+            seed=0,
+            tensor_parallel_size=int(spec.get("tp", 1)),
+            skip_tokenizer_init=token_ids is not None,
+            worker_extension_cls=EXTENSION if "swaps" in run else "",
+        )
+        params = SamplingParams(
+            temperature=0.0, max_tokens=int(run["max_tokens"]), ignore_eos=False, detokenize=token_ids is None
+        )
         prompts = [{"prompt_token_ids": ids} for ids in token_ids] if token_ids is not None else run["prompts"]
         phases = []
         for swap in [None, *run.get("swaps", [])]:
