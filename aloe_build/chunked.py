@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 from aloe_kernels.hf import locate_down_proj
 
 from .checkpoints import PartStore
-from .forward import Tick
+from .forward import Tick, generate_with_states
 from .states import StateBatch
 from .token_tree import PACK_TOKENS, TREES_PER_PASS, collect_states_tree
+from .tokens import end_index, pad_id, stop_ids
 
 #: Sequences per saved chunk: a few minutes of work on two CPU cores.
 CHUNK_SEQUENCES = 2048
@@ -136,3 +137,48 @@ def chunked_tokens_and_states(
     if rows:
         offsets[1:] = torch.cat(rows).cumsum(0)
     return out, StateBatch(torch.cat(blocks) if blocks else torch.zeros(0, d), offsets)
+
+
+#: Generation batches hold this many times ``batch_size`` prompts: a greedy step costs little more
+#: for more rows, as its time goes to per-step overhead (docs/results.md, "Continuations").
+GENERATION_BATCH_MULTIPLE = 4
+
+
+def continued(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    tokens: int,
+    layer: int,
+    batch_size: int,
+    desc: str,
+    parts: PartStore | None = None,
+    name: str = "continuations",
+    starts: Sequence[int] | None = None,
+) -> tuple[list[list[int]], StateBatch]:
+    """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
+    cut before its first stop token (EOS or end of turn, :func:`~aloe_build.tokens.stop_ids`: a
+    server stops there and never feeds it back), and the
+    normalized states of each continued sequence from position ``starts[i]`` (default: its first
+    continuation token) to its end, taken while generating (:func:`generate_with_states`), in
+    batches of ``batch_size * GENERATION_BATCH_MULTIPLE`` prompts."""
+    stops = stop_ids(tokenizer)
+
+    def generate(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
+        gens, states = generate_with_states(
+            model,
+            prompts[lo:hi],
+            max(tokens, 0),
+            layer,
+            starts=None if starts is None else starts[lo:hi],
+            pad_id=pad_id(tokenizer),
+            batch_size=batch_size * GENERATION_BATCH_MULTIPLE,
+            tick=tick,
+        )
+        kept = [g[: end_index(g, stops)] for g in gens]
+        return kept, [st[: len(st) - (len(g) - len(k))] for st, g, k in zip(states, gens, kept)]
+
+    gens, got = chunked_tokens_and_states(
+        parts, f"{name}-with-states", len(prompts), generate, desc, locate_down_proj(model, layer).d
+    )
+    return [list(p) + g for p, g in zip(prompts, gens)], got

@@ -2,7 +2,8 @@
 
 1. :mod:`.s1_encoder`: the address encoder, trained on a construction corpus.
 2. :mod:`.s2_init`: initial addresses from the request states.
-3. :mod:`.s3_rollouts`: anchors (where an edit must fire) and negatives (where it must not).
+3. :mod:`.s3_rollouts`: anchors (where an edit must fire) and negatives (where it must not);
+   :mod:`.s3_shared_pool`, the negatives every edit shares.
 4. :mod:`.s4_refine`: refinement of the addresses (paper Eq. 5).
 5. :mod:`.s5_calibrate`: thresholds and temperatures of the gates.
 6. :mod:`.s6_targets`: each edit's write target.

@@ -14,7 +14,6 @@ negatives are also asked through the chat template.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,26 +23,22 @@ import torch
 
 from aloe_kernels.hf import locate_down_proj
 
-from ..checkpoints import PartStore, save_tensors_atomically
-from ..chunked import chunked_states, chunked_tokens_and_states
+from ..checkpoints import PartStore
+from ..chunked import chunked_states, chunked_tokens_and_states, continued
 from ..config import BuildConfig
 from ..corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
-from ..forward import Tick, generate_with_states, in_precision, teacher_forced
-from ..questions import QUESTIONS_VERSION, generic_questions
+from ..forward import Tick, in_precision, teacher_forced
 from ..slots import Slot
 from ..states import StateBatch
-from ..system_prompts import GENERIC_SYSTEM_PROMPTS
 from ..tokens import (
     chat_answer,
     chat_header_length,
     chat_prompt,
-    chat_template_key,
     encode_continuation,
     encode_prompt,
-    end_index,
     pad_id,
-    stop_ids,
 )
+from .s3_shared_pool import pool_prompt_prefixes, shared_negatives
 
 
 @dataclass
@@ -144,51 +139,6 @@ def chat_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple
     ]
 
 
-#: Generation batches hold this many times ``batch_size`` prompts: a greedy step costs little more
-#: for more rows, as its time goes to per-step overhead (docs/results.md, "Continuations").
-GENERATION_BATCH_MULTIPLE = 4
-
-
-def continued(
-    model,
-    tokenizer,
-    prompts: list[list[int]],
-    tokens: int,
-    layer: int,
-    batch_size: int,
-    desc: str,
-    parts: PartStore | None = None,
-    name: str = "continuations",
-    starts: Sequence[int] | None = None,
-) -> tuple[list[list[int]], StateBatch]:
-    """Each prompt followed by the unedited model's greedy continuation of up to ``tokens`` tokens,
-    cut before its first stop token (EOS or end of turn, :func:`~aloe_build.tokens.stop_ids`: a
-    server stops there and never feeds it back), and the
-    normalized states of each continued sequence from position ``starts[i]`` (default: its first
-    continuation token) to its end, taken while generating (:func:`generate_with_states`), in
-    batches of ``batch_size * GENERATION_BATCH_MULTIPLE`` prompts."""
-    stops = stop_ids(tokenizer)
-
-    def generate(lo: int, hi: int, tick: Tick) -> tuple[list[list[int]], list[torch.Tensor]]:
-        gens, states = generate_with_states(
-            model,
-            prompts[lo:hi],
-            max(tokens, 0),
-            layer,
-            starts=None if starts is None else starts[lo:hi],
-            pad_id=pad_id(tokenizer),
-            batch_size=batch_size * GENERATION_BATCH_MULTIPLE,
-            tick=tick,
-        )
-        kept = [g[: end_index(g, stops)] for g in gens]
-        return kept, [st[: len(st) - (len(g) - len(k))] for st, g, k in zip(states, gens, kept)]
-
-    gens, got = chunked_tokens_and_states(
-        parts, f"{name}-with-states", len(prompts), generate, desc, locate_down_proj(model, layer).d
-    )
-    return [list(p) + g for p, g in zip(prompts, gens)], got
-
-
 def along_target_anchors(
     model,
     tokenizer,
@@ -233,143 +183,6 @@ def along_target_anchors(
         locate_down_proj(model, layer).d,
     )
     return [[span[k] for k in ks] for span, ks in zip(spans, kept)], states
-
-
-def shared_negative_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
-    """The corpus prompts whose states, and those of their continuations, are the shared pool."""
-    texts: list[str] = []
-    for it in corpus.items[: cfg.negative_pool_records]:
-        texts += [it.request, it.locality, *it.same_subject[:1]]
-    return list(dict.fromkeys(texts))
-
-
-def shared_paraphrase_texts(corpus: Corpus, cfg: BuildConfig, edited_subjects: frozenset[str]) -> list[str]:
-    """Other wordings of the first ``negatives_paraphrases`` corpus requests ("X is incredible at"),
-    except those about an edited subject (a rewording of an edit's own fact is not its negative)."""
-    return list(
-        dict.fromkeys(
-            it.paraphrase for it in corpus.items[: cfg.experimental.negatives_paraphrases] if it.subject not in edited_subjects
-        )
-    )
-
-
-def shared_question_texts(corpus: Corpus, cfg: BuildConfig) -> list[str]:
-    """The generic questions of the shared pool, about corpus subjects (see :mod:`.questions`)."""
-    return generic_questions(corpus.subjects, cfg.negatives_questions)
-
-
-def pool_prompt_prefixes(tokenizer, corpus: Corpus, cfg: BuildConfig) -> set[tuple[int, ...]]:
-    """Every token prefix of the shared pool's prompts: their states are negatives of every slot."""
-    return {
-        tuple(ids[: t + 1])
-        for text in shared_negative_texts(corpus, cfg) + shared_question_texts(corpus, cfg)
-        for ids in [encode_prompt(tokenizer, text)]
-        for t in range(len(ids))
-    }
-
-
-def _cached_states(file: Path, compute) -> torch.Tensor:
-    """States read from ``file``, or computed by ``compute()`` and written there atomically."""
-    from safetensors.torch import load_file
-
-    if file.is_file():
-        return load_file(str(file))["states"]
-    states = compute()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    save_tensors_atomically({"states": states.contiguous()}, file)
-    return states
-
-
-def shared_negatives(
-    model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig, edited_subjects: frozenset[str] = frozenset()
-) -> torch.Tensor:
-    """States at every position of corpus prompts (requests, locality inputs, same-subject prompts,
-    with ``negatives_paraphrases`` their rewordings) and generic questions, and of their greedy
-    continuations: negatives for every edit. They depend only on the model, layer and corpus items
-    (the rewordings also on which subjects are edited), so they are cached (see
-    pipeline.negatives_cache_dir) and shared by every build. With chat positives, the chat-form pool
-    (:func:`shared_chat_negatives`) is added."""
-
-    def continued_states(texts: list[str], desc: str) -> torch.Tensor:
-        prompts = [encode_prompt(tokenizer, t) for t in texts]
-        return continued(
-            model, tokenizer, prompts, cfg.negative_continuation_tokens, layer, cfg.batch_size, desc, starts=[0] * len(prompts)
-        )[1].states
-
-    tokens = cfg.negative_continuation_tokens
-    pool = _cached_states(
-        path / f"negatives-{cfg.negative_pool_records}-c{tokens}.safetensors",
-        lambda: continued_states(shared_negative_texts(corpus, cfg), "stage 3: shared negatives and their continuations"),
-    )
-    if cfg.experimental.negatives_paraphrases > 0:
-        texts = shared_paraphrase_texts(corpus, cfg, edited_subjects)
-        digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
-        reworded = _cached_states(
-            path / f"negatives-paraphrases-{digest}-c{tokens}.safetensors",
-            lambda: continued_states(texts, "stage 3: corpus rewordings and their continuations"),
-        )
-        pool = torch.cat([pool, reworded])
-    if cfg.negatives_questions > 0:
-        name = f"negatives-questions-{cfg.negatives_questions}-c{tokens}-v{QUESTIONS_VERSION}.safetensors"
-        pool = torch.cat(
-            [
-                pool,
-                _cached_states(
-                    path / name,
-                    lambda: continued_states(
-                        shared_question_texts(corpus, cfg), "stage 3: generic questions and their continuations"
-                    ),
-                ),
-            ]
-        )
-    if cfg.chat.positives_chat and cfg.chat.negatives_chat_pool > 0:
-        pool = torch.cat([pool, shared_chat_negatives(model, tokenizer, layer, path, corpus, cfg)])
-    return pool
-
-
-#: How many of the chat pool's questions are asked again after each generic system prompt.
-QUESTIONS_PER_GENERIC_SYSTEM = 4
-
-
-def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
-    """The requests and locality prompts of the first ``negatives_chat_pool`` corpus records asked
-    through the chat template, then ``negatives_chat_questions`` generic questions, with the
-    unedited model's answers: states at every position after the template's shared header (that
-    header once per system prompt): where a chat-form anchor's neighbours lie. A few of the corpus
-    texts are asked again after each of the first ``negatives_chat_systems`` generic system
-    prompts, whose headers hold the tokens that close a system turn."""
-    systems = (None, *cfg.chat.chat_systems)
-    generic = GENERIC_SYSTEM_PROMPTS[: cfg.chat.negatives_chat_systems]
-
-    def compute() -> torch.Tensor:
-        texts = list(dict.fromkeys(t for it in corpus.items[: cfg.chat.negatives_chat_pool] for t in (it.request, it.locality)))
-        texts = list(dict.fromkeys(texts + generic_questions(corpus.subjects, cfg.chat.negatives_chat_questions)))
-        asked_after = [systems[k % len(systems)] for k in range(len(texts))]
-        again = [texts[k % len(texts)] for k in range(len(generic) * QUESTIONS_PER_GENERIC_SYSTEM)] if texts else []
-        texts += again
-        asked_after += [generic[k // QUESTIONS_PER_GENERIC_SYSTEM] for k in range(len(again))]
-        heads = {s: chat_header_length(tokenizer, s) for s in (*systems, *generic)}
-        # each system prompt's header once (its first sequence whole), the rest after the header
-        first = {s: asked_after.index(s) for s in heads if s in asked_after}
-        starts = [0 if first[s] == k else heads[s] for k, s in enumerate(asked_after)]
-        prompts = [chat_prompt(tokenizer, t, s) for t, s in zip(texts, asked_after)]
-        return continued(
-            model,
-            tokenizer,
-            prompts,
-            cfg.chat.negatives_chat_answer_tokens,
-            layer,
-            cfg.batch_size,
-            "stage 3: chat negatives and their answers",
-            starts=starts,
-        )[1].states
-
-    questions = f"-q{cfg.chat.negatives_chat_questions}v{QUESTIONS_VERSION}" if cfg.chat.negatives_chat_questions > 0 else ""
-    name = (
-        f"negatives-chat-{cfg.chat.negatives_chat_pool}-c{cfg.chat.negatives_chat_answer_tokens}-s{len(generic)}{questions}-"
-        f"{chat_template_key(tokenizer, (*cfg.chat.chat_systems, *generic))}"
-    )
-    return _cached_states(path / f"{name}.safetensors", compute)
 
 
 def not_anchors(states: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -514,22 +327,10 @@ def answer_states(
     return got.states, torch.tensor(owner, dtype=torch.long)[got.owner()]
 
 
-def rollouts(
-    model,
-    tokenizer,
-    slots: Sequence[Slot],
-    seqs: TokenSequences,
-    corpus: Corpus,
-    cache_dir: Path,
-    layer: int,
-    cfg: BuildConfig,
-    rng: random.Random,
-    parts: PartStore | None = None,
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """Stage 3: anchors H+ (with their slot and sequence) and negatives H-; returns the tensors
-    and the stage's report. With ``parts`` every long pass saves its chunks there as they finish."""
-    # along the target for requests, rewordings and chat forms; the prefixed requests only at their last
-    # prompt token (the positions along the target are the request's own target text)
+def anchor_states(model, tokenizer, seqs: TokenSequences, layer: int, cfg: BuildConfig, parts: PartStore | None) -> StateBatch:
+    """The anchors H+ of every anchor sequence, grouped by sequence: along the target for requests,
+    rewordings and chat forms; the prefixed requests only at their last prompt token (the positions
+    along the target are the request's own target text)."""
     r = seqs.along
     _, along = along_target_anchors(
         model,
@@ -552,7 +353,24 @@ def rollouts(
         [[len(p) - 1] for p in seqs.extra_prompts[r:]],
         "stage 3: prefixed anchor states",
     )
-    anchors = StateBatch(torch.cat([along.states, last.states]), torch.cat([along.offsets, along.offsets[-1] + last.offsets[1:]]))
+    return StateBatch(torch.cat([along.states, last.states]), torch.cat([along.offsets, along.offsets[-1] + last.offsets[1:]]))
+
+
+def rollouts(
+    model,
+    tokenizer,
+    slots: Sequence[Slot],
+    seqs: TokenSequences,
+    corpus: Corpus,
+    cache_dir: Path,
+    layer: int,
+    cfg: BuildConfig,
+    rng: random.Random,
+    parts: PartStore | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Stage 3: anchors H+ (with their slot and sequence) and negatives H-; returns the tensors
+    and the stage's report. With ``parts`` every long pass saves its chunks there as they finish."""
+    anchors = anchor_states(model, tokenizer, seqs, layer, cfg, parts)
     pool = shared_negatives(model, tokenizer, layer, cache_dir, corpus, cfg, frozenset(s.subject for s in slots))
     pool = pool[not_anchors(pool, anchors.states)]
     # what the unedited model writes after each request, and answers to its chat forms: negatives

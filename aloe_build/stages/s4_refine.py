@@ -147,18 +147,26 @@ def _refine(
                 break
             terms = None
             continue
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            if pull:
-                V.sub_(cfg.refine_lr * pull * (V - V0))
-            V.mul_(norms / V.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        _take_step(V, V0, loss, opt, cfg.refine_lr * pull, norms)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
     if stats is not None:
         stats.update(converged=converged, slots_mined_in_full=mining.full_minings)
     return V.detach(), losses
+
+
+def _take_step(
+    V: torch.Tensor, V0: torch.Tensor, loss: torch.Tensor, opt: torch.optim.Optimizer, pull: float, norms: torch.Tensor
+) -> None:
+    """One optimizer step on ``loss``, then ``pull`` of the way back to ``V0`` and each address
+    back to its norm (refinement turns addresses, it never scales them)."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        if pull:
+            V.sub_(pull * (V - V0))
+        V.mul_(norms / V.norm(dim=1, keepdim=True).clamp_min(1e-12))
 
 
 def _check_settings(cfg: BuildConfig) -> None:

@@ -352,12 +352,12 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
 
 def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeypatch):
     """Two builds whose encoders train differently share one pool file; a corpus change makes another."""
-    from aloe_build.stages import s3_rollouts as rollouts
+    from aloe_build.stages import s3_shared_pool as pool_module
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     edits = _edits()[:2]
     made = []
-    original = rollouts.continued
+    original = pool_module.continued
     pool_desc = "stage 3: shared negatives and their continuations"
 
     def counting(*args, **kw):
@@ -365,7 +365,7 @@ def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeyp
             made.append(1)
         return original(*args, **kw)
 
-    monkeypatch.setattr(rollouts, "continued", counting)
+    monkeypatch.setattr(pool_module, "continued", counting)
     for i, kw in enumerate([dict(encoder_steps=20), dict(encoder_steps=21, encoder_margin=0.3), dict(encoder_records=30)]):
         build_operator(model, tok, edits, _tiny_cfg(tmp_path, **kw), out_dir=tmp_path / f"r{i}", log=None)
     pools = sorted(p.parent.name for p in (tmp_path / "enc" / "negatives").glob("*/negatives-[0-9]*.safetensors"))
@@ -571,13 +571,13 @@ def test_chat_builds_take_generic_system_headers_and_chat_answers_as_negatives(t
     from safetensors.torch import load_file
 
     from aloe_build import config
-    from aloe_build.stages import s3_rollouts as rollouts
+    from aloe_build.stages import s3_shared_pool
     from aloe_build.states import collect_states
     from aloe_build.tokens import chat_header_length, chat_prompt
 
     generic = ("answer the question", "you are a guitar", "the city of Rome")
     monkeypatch.setattr(config, "GENERIC_SYSTEM_PROMPTS", generic)
-    monkeypatch.setattr(rollouts, "GENERIC_SYSTEM_PROMPTS", generic)
+    monkeypatch.setattr(s3_shared_pool, "GENERIC_SYSTEM_PROMPTS", generic)
     model, tok = tiny_model("llama"), tiny_tokenizer()
     tok.chat_template = TINY_CHAT_TEMPLATE
     edits = _edits()[:3]
@@ -906,7 +906,7 @@ def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
     with 0 none of the questions is."""
     from aloe_build.corpus import load_corpus
     from aloe_build.questions import generic_questions
-    from aloe_build.stages import s3_rollouts as rollouts
+    from aloe_build.stages import s3_shared_pool
     from aloe_build.states import collect_states
     from aloe_build.tokens import chat_header_length, chat_prompt
 
@@ -921,9 +921,9 @@ def test_chat_pool_asks_the_generic_questions_through_the_template(tmp_path):
         negatives_chat_questions=3,
     )
     corpus, _ = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
-    with_questions = rollouts.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
+    with_questions = s3_shared_pool.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
     cfg.chat.negatives_chat_questions = 0
-    without = rollouts.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
+    without = s3_shared_pool.shared_chat_negatives(model, tok, 1, tmp_path / "cache", corpus, cfg)
     head = chat_header_length(tok)
     questions = generic_questions(corpus.subjects, 3)
     assert len(questions) == 3 and any(not q.endswith("?") for q in questions)
