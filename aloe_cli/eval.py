@@ -70,50 +70,52 @@ def _default_out(args: argparse.Namespace) -> Path:
     return Path("benchmarks") / "results" / f"eval_{model}_{stem}{tag}"
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+def _fail(message: str) -> int:
+    """Print an ``aloe eval`` usage error; the exit status for it."""
+    print(f"aloe eval: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _baselines(args: argparse.Namespace) -> list[str]:
+    """The baselines to score, unedited first unless --no-unedited, each once in the order given."""
     baselines = [] if args.no_unedited else ["unedited"]
     for b in args.baseline or []:
         if b not in baselines:
             baselines.append(b)
-    if not args.operator and baselines == []:
-        print("aloe eval: error: nothing to evaluate: give --operator and/or --baseline", file=sys.stderr)
-        return 2
-    if args.chat_system and args.chat == "off":
-        print("aloe eval: error: --chat-system needs --chat also or --chat only", file=sys.stderr)
-        return 2
-    if args.sequential:
-        return _cmd_sequential(args)
-    try:
-        edits_path = Path(args.edits)
-        requests = load_edits(edits_path, args.limit, skip_invalid=args.skip_invalid)
-        op = AloeOperator.load(args.operator) if args.operator else None
-    except (EditDataError, AloeError, FileNotFoundError) as exc:
-        print(f"aloe eval: error: {exc}", file=sys.stderr)
-        return 2
-    model, tokenizer = load_model_for(args)
-    grace_cfg = None
-    if "grace" in baselines:
-        kw = {}
-        if args.grace_eps is not None:
-            kw["eps"] = args.grace_eps
-        if args.grace_iters is not None:
-            kw["n_iter"] = args.grace_iters
-        grace_cfg = GraceConfig(**kw)
-    editor = None
-    if op is not None:
-        if args.layer is not None and op.layer is not None and args.layer != op.layer:
-            print(f"aloe eval: error: --layer {args.layer} but the operator was built for layer {op.layer}", file=sys.stderr)
-            return 2
-        if op.layer is None and args.layer is None:
-            print("aloe eval: error: the operator records no layer; pass --layer", file=sys.stderr)
-            return 2
-        op_dtype = None if args.operator_dtype == "served" else resolve_dtype(args.operator_dtype, torch.device("cpu"))
-        editor = AloeEditor(
-            op, check_fingerprint=not args.no_check_fingerprint, layer=args.layer if op.layer is None else None, dtype=op_dtype
-        )
-    meta = {
+    return baselines
+
+
+def _grace_config(args: argparse.Namespace) -> GraceConfig:
+    """GRACE's settings: its own defaults, but for the radius and iterations given on the command line."""
+    kw = {}
+    if args.grace_eps is not None:
+        kw["eps"] = args.grace_eps
+    if args.grace_iters is not None:
+        kw["n_iter"] = args.grace_iters
+    return GraceConfig(**kw)
+
+
+def _layer_error(op: AloeOperator, args: argparse.Namespace) -> str | None:
+    """Why --layer does not fit the operator, or ``None`` when it does."""
+    if args.layer is not None and op.layer is not None and args.layer != op.layer:
+        return f"--layer {args.layer} but the operator was built for layer {op.layer}"
+    if op.layer is None and args.layer is None:
+        return "the operator records no layer; pass --layer"
+    return None
+
+
+def _editor(op: AloeOperator, args: argparse.Namespace) -> AloeEditor:
+    """The editor that patches ``op`` into the model (checked by :func:`_layer_error` first)."""
+    # "served" leaves the precision to the editor, which follows the model as the HF patch and vLLM do
+    op_dtype = None if args.operator_dtype == "served" else resolve_dtype(args.operator_dtype, torch.device("cpu"))
+    return AloeEditor(
+        op, check_fingerprint=not args.no_check_fingerprint, layer=args.layer if op.layer is None else None, dtype=op_dtype
+    )
+
+
+def _meta(args: argparse.Namespace, edits_path: Path) -> dict:
+    """What the report records of its inputs, so that a result can be traced and reproduced."""
+    return {
         "data_file": str(edits_path),
         "data_sha256": file_sha256(edits_path),
         "data_limit": args.limit,
@@ -122,11 +124,48 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         "argv": list(sys.argv),
         "model_arg": str(args.model),
     }
+
+
+def _save_report(report, out: Path, args: argparse.Namespace) -> None:
+    """Write the report under ``out`` and print its summary tables and the files written."""
+    paths = report.save(out, plots=not args.no_plots)
+    ChunkStore(out / PARTS_DIR).clear()  # the report holds everything the chunks did
+    print(report.to_markdown().split("## Definitions")[0].rstrip())
+    print()
+    for k, p in paths.items():
+        print(f"wrote {k}: {p}")
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """``aloe eval``: check the options, load the edits, operator and model, score, write the report."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    baselines = _baselines(args)
+    if not args.operator and baselines == []:
+        return _fail("nothing to evaluate: give --operator and/or --baseline")
+    if args.chat_system and args.chat == "off":
+        return _fail("--chat-system needs --chat also or --chat only")
+    if args.sequential:
+        return _cmd_sequential(args)
+    try:
+        edits_path = Path(args.edits)
+        requests = load_edits(edits_path, args.limit, skip_invalid=args.skip_invalid)
+        op = AloeOperator.load(args.operator) if args.operator else None
+    except (EditDataError, AloeError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    model, tokenizer = load_model_for(args)
+    grace_cfg = _grace_config(args) if "grace" in baselines else None
+    editor = None
+    if op is not None:
+        error = _layer_error(op, args)
+        if error is not None:
+            return _fail(error)
+        editor = _editor(op, args)
+    meta = _meta(args, edits_path)
     out = Path(args.out) if args.out else _default_out(args)
     if args.chat != "off":
         if editor is None:
-            print("aloe eval: error: --chat needs --operator", file=sys.stderr)
-            return 2
+            return _fail("--chat needs --operator")
         _chat(model, tokenizer, requests, editor, args, meta, out)
         if args.chat == "only":
             ChunkStore(out / PARTS_DIR).clear()  # chat.json holds every answer saved there
@@ -147,14 +186,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             parts_dir=out / PARTS_DIR,
         )
     except AloeError as exc:
-        print(f"aloe eval: error: {exc}", file=sys.stderr)
-        return 2
-    paths = report.save(out, plots=not args.no_plots)
-    ChunkStore(out / PARTS_DIR).clear()  # the report holds everything the chunks did
-    print(report.to_markdown().split("## Definitions")[0].rstrip())
-    print()
-    for k, p in paths.items():
-        print(f"wrote {k}: {p}")
+        return _fail(str(exc))
+    _save_report(report, out, args)
     return 0
 
 
@@ -199,8 +232,7 @@ def _cmd_sequential(args: argparse.Namespace) -> int:
     from aloe_eval.sequential import run_sequential
 
     if args.operator:
-        print("aloe eval: error: --sequential builds its own operators; do not pass --operator", file=sys.stderr)
-        return 2
+        return _fail("--sequential builds its own operators; do not pass --operator")
     requests = load_edits(Path(args.edits), args.limit, skip_invalid=args.skip_invalid)
     model, tokenizer = load_model_for(args)
     out = Path(args.out) if args.out else _default_out(args).with_name(_default_out(args).name + f"_seq{args.sequential}")
@@ -209,17 +241,8 @@ def _cmd_sequential(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``aloe eval`` on the ``aloe`` command's subparsers; returns the subparser."""
-    p = subparsers.add_parser(
-        "eval",
-        help="score an operator (and baselines) on an edit stream",
-        description="Score an ALOE operator on an edit stream with the paper's protocol (greedy exact match), "
-        "EasyEdit's teacher-forced token accuracy, and gate diagnostics; compare with the unedited model and "
-        "a GRACE reimplementation on the same model, layer and stream. Writes eval_report.json and "
-        "eval_report.md (the summaries), eval_rows.jsonl.gz (the per-edit rows), eval_plots.json (the data of "
-        "the figures) and PNG plots.",
-    )
+def _add_input_args(p: argparse.ArgumentParser) -> None:
+    """What is scored on what: the model, the operator, the edit stream, and where the report goes."""
     p.add_argument("--model", required=True, help="'smollm2', a local transformers directory, or a .gguf file")
     p.add_argument("--operator", default=None, help="ALOE artifact directory (omit to score baselines only)")
     p.add_argument("--edits", required=True, help="edit file (any format aloe_build.data.load_edits reads)")
@@ -228,6 +251,10 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--out", default=None, help="output directory (default benchmarks/results/eval_<model>_<data stem>[_n<limit>])"
     )
+
+
+def _add_baseline_args(p: argparse.ArgumentParser) -> None:
+    """The baselines scored beside the operator, and the layer they edit."""
     p.add_argument(
         "--baseline",
         action="append",
@@ -243,6 +270,10 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         default=None,
         help="edited layer for baselines (default: the operator's layer, else the model's default)",
     )
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """How the evaluation runs: batching, chunks, GRACE's settings, checks, output and threads."""
     p.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (default 32)")
     p.add_argument(
         "--chunk-edits",
@@ -262,6 +293,10 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures (their data still goes to eval_plots.json)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _add_protocol_args(p: argparse.ArgumentParser) -> None:
+    """The other protocols: the lifelong (sequential) one and the chat-form questions."""
     p.add_argument(
         "--sequential",
         type=int,
@@ -271,7 +306,7 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "all edits so far after each (operators in OUT/op<k>, curve in OUT/sequential.json, "
         "OUT/retention.png; resumable)",
     )
-    add_device_args(p)
+    add_device_args(p)  # here, so that --help lists the options in their usual order
     p.add_argument(
         "--chat",
         default="off",
@@ -286,6 +321,23 @@ def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         metavar="TEXT",
         help="with --chat: also ask after this system prompt (repeatable; reported as system_1, ...)",
     )
+
+
+def add_eval_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``aloe eval`` on the ``aloe`` command's subparsers; returns the subparser."""
+    p = subparsers.add_parser(
+        "eval",
+        help="score an operator (and baselines) on an edit stream",
+        description="Score an ALOE operator on an edit stream with the paper's protocol (greedy exact match), "
+        "EasyEdit's teacher-forced token accuracy, and gate diagnostics; compare with the unedited model and "
+        "a GRACE reimplementation on the same model, layer and stream. Writes eval_report.json and "
+        "eval_report.md (the summaries), eval_rows.jsonl.gz (the per-edit rows), eval_plots.json (the data of "
+        "the figures) and PNG plots.",
+    )
+    _add_input_args(p)
+    _add_baseline_args(p)
+    _add_run_args(p)
+    _add_protocol_args(p)
     p.add_argument(
         "--operator-dtype",
         default="served",

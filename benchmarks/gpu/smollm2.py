@@ -120,36 +120,45 @@ def _install_wheels(stash: Path) -> None:
         )
 
 
-def run(ctx: Context, limit: int | None = None) -> PartResult:
-    """The ``smollm2`` part (``limit``: the first edits only, for a check on CPU)."""
-    from .build import EDITS, run_cli
+def _skip_smoke(res: PartResult) -> PartResult:
+    """A smoke run has no GPU to build on: say which model parts are ready here."""
+    present = sorted(p.name for p in PARTS_DIR.glob("part*"))
+    res.status = "skipped"
+    res.data["summary"] = f"needs a GPU; model parts here: {present or 'none (gpu_suite --prepare)'}"
+    res.log(res.data["summary"])
+    return res
 
-    res = PartResult("smollm2")
-    if ctx.smoke:
-        present = sorted(p.name for p in PARTS_DIR.glob("part*"))
-        res.status = "skipped"
-        res.data["summary"] = f"needs a GPU; model parts here: {present or 'none (gpu_suite --prepare)'}"
-        res.log(res.data["summary"])
-        return res
+
+def _stash_model(res: PartResult) -> Path | None:
+    """Stash the parts carried this call; the stash folder once the GGUF is whole, else ``None``
+    (``res`` then says which parts the next calls must carry)."""
     stash_root = stash_dir()
     copied = stash(PARTS_DIR, stash_root)
     res.log(f"stashed in {stash_root}: {', '.join(copied) or 'nothing carried this call'}")
-    gguf = assemble(stash_root)
-    if gguf is None:
+    if assemble(stash_root) is None:
         waiting = [k for k in range(1, N_PARTS + 1) if not (stash_root / f"p{k}").is_file()]
         res.status = "skipped"
         res.data["summary"] = f"waiting for part(s) {waiting}: carry .gpu-model/part<k> in the next call"
         res.log(res.data["summary"])
-        return res
+        return None
+    return stash_root
+
+
+def _cli_env(stash_root: Path) -> dict[str, str]:
+    """The environment of the ``aloe`` commands: the reassembled package and its wheels on the path,
+    and a cache that holds the carried encoder, so the build does not train it again."""
     _install_wheels(stash_root)
     cache = stash_root / "cache"
     if (stash_root / ENCODERS).is_dir():
         shutil.copytree(stash_root / ENCODERS, cache / ENCODERS, dirs_exist_ok=True)
-    env = {"PYTHONPATH": os.pathsep.join([str(stash_root / "site"), str(ROOT)]), "ALOE_CACHE": str(cache)}
-    rows = res.data.setdefault("rows", [])
-    op = stash_root / "op"
-    shutil.rmtree(op, ignore_errors=True)
-    common = [
+    return {"PYTHONPATH": os.pathsep.join([str(stash_root / "site"), str(ROOT)]), "ALOE_CACHE": str(cache)}
+
+
+def _common_args(ctx: Context, limit: int | None) -> list[str]:
+    """The options that ``aloe build`` and ``aloe eval`` share: model, edits, device and dtype."""
+    from .build import EDITS
+
+    return [
         "--model",
         "smollm2",
         "--edits",
@@ -159,6 +168,13 @@ def run(ctx: Context, limit: int | None = None) -> PartResult:
         "--dtype",
         "bfloat16" if ctx.cuda else "float32",
     ] + (["--limit", str(limit)] if limit else [])
+
+
+def _build(ctx: Context, res: PartResult, common: list[str], op: Path, env: dict, limit: int | None, judged: bool) -> bool:
+    """Time ``aloe build`` into ``op`` and judge its time; whether it succeeded."""
+    from .build import run_cli
+
+    rows = res.data.setdefault("rows", [])
     rc, text, seconds = run_cli(["build", *common, "--out", str(op)], BUILD_TIMEOUT_S, env)
     report = json.loads((op / "build_report.json").read_text()) if rc == 0 else {}
     rows.append(
@@ -174,35 +190,57 @@ def run(ctx: Context, limit: int | None = None) -> PartResult:
         f"aloe build ({limit or 1301} edits, {ctx.device}): rc={rc}, {seconds:.1f} s wall including the model's "
         f"load (and, the first time, its conversion from GGUF); stages {rows[-1]['stages']}"
     )
-    judged = ctx.cuda and not limit  # a CPU check or a partial stream gets no verdict
     res.target(
         "aloe build of 1,301 edits on the real SmolLM2 (minutes)", seconds / 60 if rc == 0 and judged else None, "<=", 3.0, " min"
     )
     if rc != 0:
         res.status = "fail"
         res.log("build output (tail):\n" + text[-1500:])
-        return res
-    ev = stash_root / "eval"
+    return rc == 0
+
+
+def _evaluate(ctx: Context, res: PartResult, common: list[str], op: Path, ev: Path, env: dict) -> dict:
+    """Run ``aloe eval`` of the built operator into ``ev``; its paper scores (empty on failure), with
+    both reports copied to the suite's output."""
+    from .build import run_cli
+
     rc, text, seconds = run_cli(
         ["eval", *common, "--operator", str(op), "--no-unedited", "--no-plots", "--out", str(ev)], EVAL_TIMEOUT_S, env
     )
-    rows.append({"step": "eval", "rc": rc, "seconds": seconds, "output_tail": text[-3000:]})
+    res.data["rows"].append({"step": "eval", "rc": rc, "seconds": seconds, "output_tail": text[-3000:]})
     res.log(f"aloe eval ({ctx.device}): rc={rc}, {seconds:.1f} s")
-    scores = {}
-    if rc == 0:
-        report = json.loads((ev / "eval_report.json").read_text())
-        summary = report["editors"][report["primary"]]["summary"]["paper"]
-        scores = {k: summary.get(k) for k in ("efficacy", "generalization", "locality")}
-        ctx.out.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(op / "build_report.json", ctx.out / "smollm2_build_report.json")
-        shutil.copyfile(ev / "eval_report.md", ctx.out / "smollm2_eval_report.md")
-    else:
+    if rc != 0:
         res.status = "fail"
         res.log("eval output (tail):\n" + text[-1500:])
+        return {}
+    report = json.loads((ev / "eval_report.json").read_text())
+    summary = report["editors"][report["primary"]]["summary"]["paper"]
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(op / "build_report.json", ctx.out / "smollm2_build_report.json")
+    shutil.copyfile(ev / "eval_report.md", ctx.out / "smollm2_eval_report.md")
+    return {k: summary.get(k) for k in ("efficacy", "generalization", "locality")}
+
+
+def run(ctx: Context, limit: int | None = None) -> PartResult:
+    """The ``smollm2`` part (``limit``: the first edits only, for a check on CPU)."""
+    res = PartResult("smollm2")
+    if ctx.smoke:
+        return _skip_smoke(res)
+    stash_root = _stash_model(res)
+    if stash_root is None:
+        return res
+    env = _cli_env(stash_root)
+    op = stash_root / "op"
+    shutil.rmtree(op, ignore_errors=True)  # a stale operator from an earlier call must not be scored
+    common = _common_args(ctx, limit)
+    judged = ctx.cuda and not limit  # a CPU check or a partial stream gets no verdict
+    if not _build(ctx, res, common, op, env, limit, judged):
+        return res
+    scores = _evaluate(ctx, res, common, op, stash_root / "eval", env)
     res.data["scores"] = scores
     res.target("efficacy on the GPU", scores.get("efficacy") if judged else None, ">=", 0.95)
     res.target("locality on the GPU", scores.get("locality") if judged else None, ">=", 0.98)
     if res.status == "ok" and any(t["verdict"] == "MISS" for t in res.targets):
         res.status = "miss"
-    res.data["summary"] = f"build {rows[0]['seconds']:.0f} s; scores {scores}"
+    res.data["summary"] = f"build {res.data['rows'][0]['seconds']:.0f} s; scores {scores}"
     return res
