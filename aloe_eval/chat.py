@@ -202,40 +202,82 @@ def chat_evaluation(
             ask, loc = answers("edited requests"), answers("edited locality", locs)
         finally:
             editor.detach(model)
-        text = [tokenizer.decode(g, skip_special_tokens=True) for g in ask]
-        base_text = [tokenizer.decode(g, skip_special_tokens=True) for g in base_ask]
-        targets = [r.target_new for r in requests]
-        stable_by_edit: dict[int, list[bool]] = {}
-        for owner, a, b in zip(loc_owner, loc, base_loc):
-            stable_by_edit.setdefault(owner, []).append(a == b)
-        hit = [contains_target(t, y) for t, y in zip(text, targets)]
-        out[name] = {
-            "system": system,
-            "efficacy": sum(hit) / len(hit),
-            "efficacy_prefix": sum(starts_with_target(t, y) for t, y in zip(text, targets)) / len(text),
-            "unedited_efficacy": sum(contains_target(t, y) for t, y in zip(base_text, targets)) / len(text),
-            "locality": (sum(sum(v) / len(v) for v in stable_by_edit.values()) / len(stable_by_edit) if stable_by_edit else None),
-            "locality_prompts": len(locs),
-            "misses": [
-                {"request": r.prompt, "target": r.target_new, "answer": t} for r, t, h in zip(requests, text, hit) if not h
-            ][:10],
-        }
+        out[name], hit = _chat_scores(tokenizer, requests, system, ask, base_ask, loc, base_loc, loc_owner)
         if editor.has_slots and editor.layer is not None:
-            out[name]["gates"] = own_gates(model, tokenizer, requests, editor, system, hit, open_threshold, batch_size)
-            changed = [k for k, (a, b) in enumerate(zip(loc, base_loc)) if a != b]
-            loc_prompts = [chat_prompt(tokenizer, locs[k], system) for k in changed]
-            out[name]["locality_changes"] = changed_locality_gates(
-                model,
-                tokenizer,
-                editor,
-                loc_prompts,
-                [base_loc[k] for k in changed],
-                [loc[k] for k in changed],
-                [editor.edit_slots(requests[loc_owner[k]], loc_owner[k]) for k in changed],
-                open_threshold,
-                batch_size,
+            out[name].update(
+                _chat_gate_diagnostics(
+                    model, tokenizer, requests, editor, system, hit, locs, loc, base_loc, loc_owner, open_threshold, batch_size
+                )
             )
     return out
+
+
+def _chat_scores(
+    tokenizer,
+    requests: Sequence[Any],
+    system: str | None,
+    ask: Sequence[list[int]],
+    base_ask: Sequence[list[int]],
+    loc: Sequence[list[int]],
+    base_loc: Sequence[list[int]],
+    loc_owner: Sequence[int],
+) -> tuple[dict[str, Any], list[bool]]:
+    """The metrics of one system prompt (module doc) from the edited and unedited answers, and which
+    requests the edited model answered with their target (the gate diagnostics split the misses)."""
+    text = [tokenizer.decode(g, skip_special_tokens=True) for g in ask]
+    base_text = [tokenizer.decode(g, skip_special_tokens=True) for g in base_ask]
+    targets = [r.target_new for r in requests]
+    # locality is averaged per edit first, so that an edit with many locality prompts weighs no more than one with few
+    stable_by_edit: dict[int, list[bool]] = {}
+    for owner, a, b in zip(loc_owner, loc, base_loc):
+        stable_by_edit.setdefault(owner, []).append(a == b)
+    hit = [contains_target(t, y) for t, y in zip(text, targets)]
+    misses = [{"request": r.prompt, "target": r.target_new, "answer": t} for r, t, h in zip(requests, text, hit) if not h]
+    scores = {
+        "system": system,
+        "efficacy": sum(hit) / len(hit),
+        "efficacy_prefix": sum(starts_with_target(t, y) for t, y in zip(text, targets)) / len(text),
+        "unedited_efficacy": sum(contains_target(t, y) for t, y in zip(base_text, targets)) / len(text),
+        "locality": (sum(sum(v) / len(v) for v in stable_by_edit.values()) / len(stable_by_edit) if stable_by_edit else None),
+        # one owner per locality prompt, so this counts the prompts
+        "locality_prompts": len(loc_owner),
+        # a few examples to read, not the whole list
+        "misses": misses[:10],
+    }
+    return scores, hit
+
+
+def _chat_gate_diagnostics(
+    model,
+    tokenizer,
+    requests: Sequence[Any],
+    editor: Editor,
+    system: str | None,
+    hit: Sequence[bool],
+    locs: Sequence[str],
+    loc: Sequence[list[int]],
+    base_loc: Sequence[list[int]],
+    loc_owner: Sequence[int],
+    open_threshold: float,
+    batch_size: int,
+) -> dict[str, Any]:
+    """``gates`` and ``locality_changes`` of one system prompt for an editor with slots (module doc)."""
+    gates = own_gates(model, tokenizer, requests, editor, system, hit, open_threshold, batch_size)
+    # only the locality answers that changed need explaining; the unchanged ones are left out
+    changed = [k for k, (a, b) in enumerate(zip(loc, base_loc)) if a != b]
+    loc_prompts = [chat_prompt(tokenizer, locs[k], system) for k in changed]
+    changes = changed_locality_gates(
+        model,
+        tokenizer,
+        editor,
+        loc_prompts,
+        [base_loc[k] for k in changed],
+        [loc[k] for k in changed],
+        [editor.edit_slots(requests[loc_owner[k]], loc_owner[k]) for k in changed],
+        open_threshold,
+        batch_size,
+    )
+    return {"gates": gates, "locality_changes": changes}
 
 
 def chat_markdown(result: dict[str, Any]) -> str:

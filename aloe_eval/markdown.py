@@ -20,6 +20,19 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown tables (paper protocol, EasyEdit numbers, diagnostics)."""
     meta = report["meta"]
     eds = report["editors"]
+    lines = _header_lines(meta)
+    lines += _paper_lines(eds)
+    lines += _easyedit_lines(eds)
+    lines += _locality_state_lines(eds)
+    lines += _diagnostic_lines(eds)
+    lines += ["", "## Definitions", ""]
+    lines += [f"- `{k}`: {v}" for k, v in report.get("definitions", METRIC_DEFINITIONS).items()]
+    lines += _editor_info_lines(eds)
+    return "\n".join(lines)
+
+
+def _header_lines(meta: Mapping[str, Any]) -> list[str]:
+    """The title and what the run was: model, data, operator, command, time."""
     lines = [f"# Editing evaluation: {meta.get('model')} layer {meta.get('layer')}", ""]
     facts = [
         ("model", meta.get("model")),
@@ -32,8 +45,14 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ("created", meta.get("created")),
         ("total time", f"{meta['timings']['total_s']:.1f} s" if meta.get("timings", {}).get("total_s") else None),
     ]
-    lines += [f"- **{k}**: {v}" for k, v in facts if v is not None]
-    lines += [
+    # facts the run did not record are left out rather than shown empty
+    return lines + [f"- **{k}**: {v}" for k, v in facts if v is not None]
+
+
+def _paper_lines(eds: Mapping[str, Any]) -> list[str]:
+    """The paper-protocol table, the note on locality prompts edited in the stream, and the
+    locality and portability numbers by kind."""
+    lines = [
         "",
         "## Paper protocol (greedy-generation exact match)",
         "",
@@ -55,6 +74,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             )
     kinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["portability_by_kind"]})
     lkinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["locality_by_kind"]})
+    # a single locality kind and no portability would only repeat the table above
     if len(lkinds) > 1 or kinds:
         cols = [f"Loc. {k}" for k in lkinds] + [f"Port. {k}" for k in kinds]
         lines += ["", "| Editor | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -62,7 +82,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             p = e["summary"]["paper"]
             vals = [p["locality_by_kind"].get(k) for k in lkinds] + [p["portability_by_kind"].get(k) for k in kinds]
             lines.append(f"| {name} | " + " | ".join(_f(v) for v in vals) + " |")
-    lines += [
+    return lines
+
+
+def _easyedit_lines(eds: Mapping[str, Any]) -> list[str]:
+    """EasyEdit's teacher-forced token accuracies, in a table of their own (a different metric family)."""
+    lines = [
         "",
         "## EasyEdit teacher-forced token accuracy (not comparable with the table above)",
         "",
@@ -74,41 +99,55 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.append(
             f"| {name} | {_f(q['rewrite_acc'])} | {_f(q['rephrase_acc'])} | {_f(q['locality'])} | {_f(q['portability'])} |"
         )
-    lines += ["", "## Locality states", "", "| Editor | mean drift | median drift | next-token agreement |", "|---|---|---|---|"]
+    return lines
+
+
+def _locality_state_lines(eds: Mapping[str, Any]) -> list[str]:
+    """Drift of the final hidden state and next-token agreement on the locality prompts."""
+    lines = ["", "## Locality states", "", "| Editor | mean drift | median drift | next-token agreement |", "|---|---|---|---|"]
     for name, e in eds.items():
         ls = e["summary"]["locality_states"]
         d = ls.get("drift") or {}
         lines.append(f"| {name} | {_f(d.get('mean'), 4)} | {_f(d.get('median'), 4)} | {_f(ls.get('next_token_agreement'))} |")
+    return lines
+
+
+def _diagnostic_lines(eds: Mapping[str, Any]) -> list[str]:
+    """The gate diagnostics of the editors with slots; nothing when none has them."""
     diag = [(n, e["summary"]["diagnostics"]) for n, e in eds.items() if "diagnostics" in e["summary"]]
-    if diag:
-        lines += [
-            "",
-            f"## Mechanism diagnostics (open = gate >= {diag[0][1]['open_threshold']})",
-            "",
-            "| Editor | request gate (mean / median) | request open | dominates | rephrase gate (mean) | "
-            "rephrase open | locality max gate (mean) | locality open | efficacy misses: address / write | "
-            "generalization misses: address / write | generalization hits with own gate shut |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for name, d in diag:
-            rg, pg, lg = d["request_matched_gate"] or {}, d["rephrase_matched_gate"] or {}, d["locality_max_gate"] or {}
-            fe, fg = d["failures"]["efficacy"], d["failures"]["generalization"]
-            lines.append(
-                f"| {name} | {_f(rg.get('mean'))} / {_f(rg.get('median'))} | {_f(d['request_gate_open'])} | "
-                f"{_f(d['matched_slot_dominates'])} | {_f(pg.get('mean'))} | {_f(d['rephrase_gate_open'])} | "
-                f"{_f(lg.get('mean'))} | {_f(d['locality_gate_open'])} | {fe['address']} / {fe['write']} of "
-                f"{fe['misses']} | {fg['address']} / {fg['write']} of {fg['misses']} | "
-                f"{d.get('hits_own_gate_shut', {}).get('generalization', '–')} |"
-            )
-    lines += ["", "## Definitions", ""]
-    lines += [f"- `{k}`: {v}" for k, v in report.get("definitions", METRIC_DEFINITIONS).items()]
+    if not diag:
+        return []
+    lines = [
+        "",
+        # every editor is scored with the same threshold, so the first one's stands for all
+        f"## Mechanism diagnostics (open = gate >= {diag[0][1]['open_threshold']})",
+        "",
+        "| Editor | request gate (mean / median) | request open | dominates | rephrase gate (mean) | "
+        "rephrase open | locality max gate (mean) | locality open | efficacy misses: address / write | "
+        "generalization misses: address / write | generalization hits with own gate shut |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, d in diag:
+        rg, pg, lg = d["request_matched_gate"] or {}, d["rephrase_matched_gate"] or {}, d["locality_max_gate"] or {}
+        fe, fg = d["failures"]["efficacy"], d["failures"]["generalization"]
+        lines.append(
+            f"| {name} | {_f(rg.get('mean'))} / {_f(rg.get('median'))} | {_f(d['request_gate_open'])} | "
+            f"{_f(d['matched_slot_dominates'])} | {_f(pg.get('mean'))} | {_f(d['rephrase_gate_open'])} | "
+            f"{_f(lg.get('mean'))} | {_f(d['locality_gate_open'])} | {fe['address']} / {fe['write']} of "
+            f"{fe['misses']} | {fg['address']} / {fg['write']} of {fg['misses']} | "
+            f"{d.get('hits_own_gate_shut', {}).get('generalization', '–')} |"
+        )
+    return lines
+
+
+def _editor_info_lines(eds: Mapping[str, Any]) -> list[str]:
+    """Each editor's settings (its timings apart) and how long it took; the report ends with a blank line."""
     info_lines = []
     for name, e in eds.items():
         inf = {k: v for k, v in e["info"].items() if k != "timings"}
         t = e["info"].get("timings", {})
         info_lines.append(f"- **{name}**: {json.dumps(inf, ensure_ascii=False)}; time {t.get('total_s', 0):.1f} s")
-    lines += ["", "## Editors", ""] + info_lines + [""]
-    return "\n".join(lines)
+    return ["", "## Editors", ""] + info_lines + [""]
 
 
 # =============================================================================

@@ -158,21 +158,11 @@ def evaluate(
         raise ValueError("no edit requests to evaluate")
     t_start = time.perf_counter()
     primary = as_editor(op, layer) if op is not None else None
-    if layer is None:
-        layer = primary.layer if primary is not None and primary.layer is not None else None
-    if layer is None:
-        layer = default_layer(model)
+    layer = _edited_layer(model, primary, layer)
     timings: dict[str, float] = {}
     editors = _editors(model, tokenizer, requests, primary, baseline, layer, grace_config, batch_size, progress, timings)
     names = [e.name for e in editors]
-    context = {
-        "editors": names,
-        "layer": layer,
-        "open_threshold": open_threshold,
-        "grace": repr(grace_config),
-        "operator": primary.op.fingerprint() if isinstance(primary, AloeEditor) else None,
-        "dtype": str(next(model.parameters()).dtype),
-    }
+    context = _chunk_context(model, names, primary, layer, open_threshold, grace_config)
     results, sequences, chunks = _score_in_chunks(
         model,
         tokenizer,
@@ -196,6 +186,31 @@ def evaluate(
     if meta:
         m.update(dict(meta))
     return EvalReport(jsonable(m), results, names[0])
+
+
+def _edited_layer(model, primary: Editor | None, layer: int | None) -> int:
+    """The layer the baselines edit: ``layer`` when given, else the editor under test's, else the
+    model's default (so that every editor is compared on the same layer)."""
+    if layer is None:
+        layer = primary.layer if primary is not None and primary.layer is not None else None
+    if layer is None:
+        layer = default_layer(model)
+    return layer
+
+
+def _chunk_context(
+    model, names: list[str], primary: Editor | None, layer: int, open_threshold: float, grace_config: Any
+) -> dict[str, Any]:
+    """Everything besides the edits that a saved chunk's results depend on: a chunk saved under a
+    different context is scored again rather than read back."""
+    return {
+        "editors": names,
+        "layer": layer,
+        "open_threshold": open_threshold,
+        "grace": repr(grace_config),
+        "operator": primary.op.fingerprint() if isinstance(primary, AloeEditor) else None,
+        "dtype": str(next(model.parameters()).dtype),
+    }
 
 
 def _score_in_chunks(
