@@ -1,0 +1,94 @@
+"""The parts the weight editors share (ROME, MEMIT, AlphaEdit): subject keys, the second moment of
+a layer's inputs and ROME's rank-one update, each checked against a direct float64 computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aloe_eval.baselines.layer_inputs import SubjectNotFound, subject_keys, subject_last_index
+from aloe_eval.baselines.rank_one import rank_one_update
+from aloe_eval.baselines.second_moments import cached_second_moment, second_moment
+from aloe_kernels.hf import locate_down_proj
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+
+def _inputs_one_at_a_time(model, tok, text: str, layer: int) -> torch.Tensor:
+    """The down-projection inputs of every token of ``text``, from an unbatched full forward pass."""
+    seen = {}
+    handle = locate_down_proj(model, layer).module.register_forward_pre_hook(
+        lambda m, args: seen.__setitem__("h", args[0][0].double())
+    )
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tok(text)["input_ids"]]))
+    finally:
+        handle.remove()
+    return seen["h"]
+
+
+def test_subject_last_index_counts_the_subjects_tokens():
+    tok = tiny_tokenizer()
+    assert subject_last_index(tok, "The Eiffel Tower is located in the city of", "The Eiffel Tower") == 2
+    assert subject_last_index(tok, "The capital of France is", "France") == 3
+    with pytest.raises(SubjectNotFound, match="does not occur"):
+        subject_last_index(tok, "The capital of France is", "Italy")
+
+
+def test_subject_keys_are_the_raw_inputs_at_the_subjects_last_token():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompts = ["The Eiffel Tower is located in the city of", "The capital of France is", "Toko Yasuda plays the"]
+    subjects = ["The Eiffel Tower", "France", "Toko Yasuda"]
+    got = subject_keys(model, tok, prompts, subjects, 1, batch_size=2)  # padded batches of different lengths
+    want = torch.stack([_inputs_one_at_a_time(model, tok, p, 1)[i] for p, i in zip(prompts, (2, 3, 1))])
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_second_moment_is_the_mean_outer_product_over_every_token(tmp_path, monkeypatch):
+    import aloe_eval.baselines.second_moments as sm
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    texts = ["The capital of France is Paris .", "Toko Yasuda plays the guitar", "What is the product made by UniFirst ?"]
+    k = torch.cat([_inputs_one_at_a_time(model, tok, t, 2) for t in texts])
+    want = k.T @ k / k.shape[0]
+    got = second_moment(model, tok, texts, 2, batch_size=2)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    first = cached_second_moment(model, tok, texts, 2, tmp_path)
+
+    def never(*a, **k):
+        raise AssertionError("the cached second moment should have been read back")
+
+    monkeypatch.setattr(sm, "second_moment", never)
+    torch.testing.assert_close(cached_second_moment(model, tok, texts, 2, tmp_path), first, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="read back"):  # another layer is another file
+        cached_second_moment(model, tok, texts, 1, tmp_path)
+
+
+@pytest.mark.parametrize("d, d_out", [(7, 5), (1, 3), (12, 1)])
+def test_rank_one_update_maps_the_key_and_is_the_cheapest_such_change(d, d_out):
+    g = torch.Generator().manual_seed(d * 100 + d_out)
+    W = torch.randn(d_out, d, generator=g).double()  # float32 values, so that a float32 W is the same matrix
+    A = torch.randn(d, 3 * d, generator=g, dtype=torch.float64)
+    C = A @ A.T / (3 * d) + 0.1 * torch.eye(d, dtype=torch.float64)
+    k, v = torch.randn(d, generator=g, dtype=torch.float64), torch.randn(d_out, generator=g, dtype=torch.float64)
+    dW = rank_one_update(W.float(), C, k, v)
+    torch.testing.assert_close((W + dW) @ k, v, rtol=1e-10, atol=1e-10)
+    assert torch.linalg.matrix_rank(dW) == 1
+    # keys C^-1-orthogonal to k are left alone
+    x = torch.randn(d, generator=g, dtype=torch.float64)
+    u = torch.linalg.solve(C, k)
+    x = x - (u @ x) / (u @ k) * k
+    torch.testing.assert_close(dW @ x, torch.zeros(d_out, dtype=torch.float64), rtol=0, atol=1e-10)
+    # any other change that maps k to v costs more in the C-weighted norm tr(dW C dW^T)
+    cost = torch.trace(dW @ C @ dW.T)
+    for _ in range(20):
+        E = torch.randn(d_out, d, generator=g, dtype=torch.float64)
+        E = E - torch.outer(E @ k, k) / (k @ k)  # E k = 0: still maps k to v
+        other = dW + 0.1 * E
+        assert torch.trace(other @ C @ other.T) >= cost - 1e-12
+
+
+def test_rank_one_update_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="shapes"):
+        rank_one_update(torch.zeros(3, 4), torch.eye(3), torch.zeros(4), torch.zeros(3))
