@@ -92,3 +92,46 @@ def test_rank_one_update_maps_the_key_and_is_the_cheapest_such_change(d, d_out):
 def test_rank_one_update_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="shapes"):
         rank_one_update(torch.zeros(3, 4), torch.eye(3), torch.zeros(4), torch.zeros(3))
+
+
+def _nll_with_delta(model, tok, prompt: str, target: str, at: int, layer: int, delta: torch.Tensor) -> float:
+    """Mean NLL of the target after ``prompt`` with ``delta`` added to the layer's MLP output at
+    token ``at``, from one unbatched pass."""
+    from aloe_build.tokens import encode_continuation
+
+    p, t = encode_continuation(tok, prompt, target)
+
+    def add(module, args, out):
+        out = out.clone()
+        out[0, at] += delta
+        return out
+
+    handle = locate_down_proj(model, layer).module.register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([list(p) + list(t[:-1])])).logits[0].double(), -1)
+    finally:
+        handle.remove()
+    return float(-torch.stack([logp[len(p) - 1 + j, t[j]] for j in range(len(t))]).mean())
+
+
+def test_target_value_lowers_the_target_nll_within_its_clamp_and_is_cached(tmp_path, monkeypatch):
+    import aloe_eval.baselines.target_values as tv
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    before = [q.detach().clone() for q in model.parameters()]
+    prompt, subject, target, layer = "The capital of France is", "France", "Rome", 1
+    settings = tv.ValueSettings(steps=15, clamp_factor=2.0)
+    delta, log = tv.optimize_value(model, tok, prompt, subject, target, layer, settings=settings)
+    assert log["nll_last"] < log["nll_first"]
+    at = subject_last_index(tok, prompt, subject)
+    # the reported NLL is that of the final delta, recomputed here on an unbatched pass
+    assert _nll_with_delta(model, tok, prompt, target, at, layer, delta) == pytest.approx(log["nll_last"], rel=1e-4)
+    assert _nll_with_delta(model, tok, prompt, target, at, layer, 0 * delta) == pytest.approx(log["nll_first"], rel=1e-4)
+    h = _inputs_one_at_a_time(model, tok, prompt, layer)[at] @ locate_down_proj(model, layer).weight().double().T
+    assert float(delta.norm()) <= 2.0 * float(h.norm()) * (1 + 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(q.grad is None for q in model.parameters())
+    first = tv.cached_value(model, tok, prompt, subject, target, layer, tmp_path, settings=settings)
+    monkeypatch.setattr(tv, "optimize_value", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
+    torch.testing.assert_close(tv.cached_value(model, tok, prompt, subject, target, layer, tmp_path, settings=settings), first)

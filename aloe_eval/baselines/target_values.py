@@ -1,0 +1,174 @@
+"""The target value of a weight edit (ROME's v*, MEMIT's z): the change delta of one layer's MLP
+output at the subject's last token that makes the model produce the new target.
+
+delta is added to the down-projection output of ``layer`` at the last subject token of every
+rewriting prompt (the request after each context prefix) and of a "{subject} is a" prompt, and
+optimized with Adam on
+
+    NLL(target | prompt) averaged over the prompts
+    + kl_weight * KL(unedited || edited) of the next token after "{subject} is a"
+    + weight_decay * |delta|^2 / |h|^2,
+
+its norm clamped to ``clamp_factor * |h|`` after every step, where h is the layer's output there.
+Adding delta to a layer's MLP output is adding it to the residual stream after that layer, so the
+same delta serves ROME (the edited layer, v* = W k + delta) and MEMIT (z at its last layer). The
+settings default to EasyEdit's ROME and MEMIT values for Llama models (25 steps, lr 0.5, KL weight
+0.0625, weight decay 1e-3, clamp 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aloe_build.forward import model_device
+from aloe_build.tokens import batch_inputs, encode_continuation, encode_prompt, pad_id
+from aloe_kernels.hf import locate_down_proj
+
+from .layer_inputs import subject_last_index
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueSettings:
+    """How the target value is optimized (see the module docstring)."""
+
+    steps: int = 25
+    lr: float = 0.5
+    kl_weight: float = 0.0625
+    weight_decay: float = 1e-3
+    clamp_factor: float = 4.0
+
+
+@dataclasses.dataclass
+class _Batch:
+    inputs: dict[str, torch.Tensor]
+    at: torch.Tensor  # (rows,) padded column of each row's subject token
+    target_cols: list[list[int]]  # per rewriting row, the columns whose logits predict the target tokens
+    target_ids: list[int]
+
+
+def _batch(tokenizer, prompt: str, subject: str, target: str, prefixes: Sequence[str], device) -> _Batch:
+    """The rewriting rows (prefix + prompt + target but its last token), then the KL row."""
+    seqs, at, cols = [], [], []
+    for prefix in prefixes:
+        text = prefix + prompt
+        p, t = encode_continuation(tokenizer, text, target)
+        seqs.append(list(p) + list(t[:-1]))
+        at.append(subject_last_index(tokenizer, text, subject))
+        cols.append([len(p) - 1 + j for j in range(len(t))])
+    kl_text = f"{subject} is a"
+    seqs.append(encode_prompt(tokenizer, kl_text))
+    at.append(subject_last_index(tokenizer, kl_text, subject))
+    width = max(len(s) for s in seqs)
+    shift = [width - len(s) for s in seqs]
+    return _Batch(
+        batch_inputs(seqs, pad_id(tokenizer), device),
+        torch.tensor([a + s for a, s in zip(at, shift)], device=device),
+        [[c + s for c in cs] for cs, s in zip(cols, shift)],
+        list(t),
+    )
+
+
+def optimize_value(
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    subject: str,
+    target: str,
+    layer: int,
+    prefixes: Sequence[str] = ("",),
+    settings: ValueSettings = ValueSettings(),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """delta (d_out,) float32 on the CPU, and the first and last NLL and KL of the optimization."""
+    device = model_device(model)
+    b = _batch(tokenizer, prompt, subject, target, prefixes, device)
+    rows = torch.arange(len(b.at), device=device)
+    site = locate_down_proj(model, layer)
+    box: dict = {"delta": None}
+
+    def add_delta(module, args, out):
+        box["h"] = out[rows, b.at].detach()
+        if box["delta"] is None:
+            return out
+        out = out.clone()
+        out[rows, b.at] = out[rows, b.at] + box["delta"].to(out.dtype)
+        return out
+
+    handle = site.module.register_forward_hook(add_delta)
+    trainable = [q.requires_grad for q in model.parameters()]
+    model.requires_grad_(False)  # only delta learns; the weights get no gradients
+    try:
+        with torch.no_grad():
+            unedited = F.log_softmax(model(**b.inputs).logits[-1, -1].float(), -1)
+        h_norm = box["h"].float().norm(dim=-1).mean()
+        delta = torch.zeros(site.d_out, device=device, requires_grad=True)
+        box["delta"] = delta
+        opt = torch.optim.Adam([delta], lr=settings.lr)
+        log: dict[str, float] = {}
+        for step in range(settings.steps + 1):
+            logp = F.log_softmax(model(**b.inputs).logits.float(), -1)
+            nll = torch.stack([-logp[r, cols, b.target_ids].mean() for r, cols in enumerate(b.target_cols)]).mean()
+            kl = F.kl_div(logp[-1, -1], unedited, log_target=True, reduction="sum")
+            loss = nll + settings.kl_weight * kl + settings.weight_decay * delta.norm() ** 2 / h_norm**2
+            if step == 0:
+                log.update(nll_first=float(nll.detach()), kl_first=float(kl.detach()))
+            log.update(nll_last=float(nll.detach()), kl_last=float(kl.detach()))
+            if step == settings.steps:
+                break  # the last pass only scores the final delta
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                cap = settings.clamp_factor * h_norm
+                if delta.norm() > cap:
+                    delta.mul_(cap / delta.norm())
+    finally:
+        handle.remove()
+        for q, flag in zip(model.parameters(), trainable):
+            q.requires_grad_(flag)
+    return delta.detach().float().cpu(), log
+
+
+def cached_value(
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    subject: str,
+    target: str,
+    layer: int,
+    cache_dir: str | Path,
+    prefixes: Sequence[str] = ("",),
+    settings: ValueSettings = ValueSettings(),
+) -> torch.Tensor:
+    """:func:`optimize_value`, read from ``cache_dir`` when the same model layer, edit, prefixes and
+    settings made it (each value costs tens of forward and backward passes)."""
+    from safetensors.torch import load_file
+
+    from aloe_build.checkpoints import save_tensors_atomically
+    from aloe_kernels import weight_fingerprint
+
+    key = json.dumps(
+        [
+            weight_fingerprint(locate_down_proj(model, layer).weight()),
+            layer,
+            prompt,
+            subject,
+            target,
+            list(prefixes),
+            dataclasses.asdict(settings),
+        ]
+    )
+    file = Path(cache_dir) / f"value-layer{layer}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+    if file.is_file():
+        return load_file(str(file))["delta"]
+    delta, _ = optimize_value(model, tokenizer, prompt, subject, target, layer, prefixes, settings)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_tensors_atomically({"delta": delta.contiguous()}, file)
+    return delta
