@@ -10,7 +10,7 @@ from aloe_eval.baselines.layer_inputs import SubjectNotFound, subject_keys, subj
 from aloe_eval.baselines.rank_one import rank_one_update
 from aloe_eval.baselines.second_moments import cached_second_moment, second_moment
 from aloe_kernels.hf import locate_down_proj
-from tests.tiny_models import tiny_model, tiny_tokenizer
+from tests.tiny_models import _CORPUS, tiny_model, tiny_tokenizer
 
 
 def _inputs_one_at_a_time(model, tok, text: str, layer: int) -> torch.Tensor:
@@ -135,3 +135,39 @@ def test_target_value_lowers_the_target_nll_within_its_clamp_and_is_cached(tmp_p
     first = tv.cached_value(model, tok, prompt, subject, target, layer, tmp_path, settings=settings)
     monkeypatch.setattr(tv, "optimize_value", lambda *a, **k: (_ for _ in ()).throw(AssertionError("recomputed")))
     torch.testing.assert_close(tv.cached_value(model, tok, prompt, subject, target, layer, tmp_path, settings=settings), first)
+
+
+def test_rome_maps_the_subject_key_to_its_value_and_detach_restores_the_bits(tmp_path):
+    from aloe_build.data import EditRequest
+    from aloe_eval.baselines.rome import fit_rome
+    from aloe_eval.baselines.target_values import ValueSettings
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    layer, site = 1, locate_down_proj(model, 1)
+    texts = list(_CORPUS)
+    C = second_moment(model, tok, texts, layer) + 1e-3 * torch.eye(site.d, dtype=torch.float64)
+    edits = [
+        EditRequest(prompt="The capital of France is", target_new="Rome", subject="France"),
+        EditRequest(prompt="Toko Yasuda plays the", target_new="piano", subject="Toko Yasuda"),
+    ]
+    original = site.weight().detach().clone()
+    settings = ValueSettings(steps=5)
+    editor = fit_rome(model, tok, edits, layer, C, tmp_path, settings=settings)
+    assert torch.equal(site.weight(), original)  # fitting leaves the model as it was
+    from aloe_eval.baselines.target_values import cached_value
+
+    # the first edit's value was optimized on the unedited model: with only it applied, its key maps there
+    k = _inputs_one_at_a_time(model, tok, edits[0].prompt, layer)[subject_last_index(tok, edits[0].prompt, "France")]
+    delta = cached_value(model, tok, edits[0].prompt, "France", "Rome", layer, tmp_path, settings=settings)
+    first = fit_rome(model, tok, edits[:1], layer, C, tmp_path, settings=settings)
+    first.attach(model)
+    try:
+        got = site.weight().double() @ k
+    finally:
+        first.detach(model)
+    torch.testing.assert_close(got, original.double() @ k + delta.double(), rtol=1e-4, atol=1e-4)
+    editor.attach(model)
+    assert not torch.equal(site.weight(), original)
+    editor.detach(model)
+    assert torch.equal(site.weight(), original)
+    assert torch.linalg.matrix_rank(editor.delta_weight.double(), rtol=1e-6) == 2
