@@ -6,10 +6,12 @@ rewriting prompt (the request after each context prefix) and of a "{subject} is 
 optimized with Adam on
 
     NLL(target | prompt) averaged over the prompts
-    + kl_weight * KL(unedited || edited) of the next token after "{subject} is a"
-    + weight_decay * |delta|^2 / |h|^2,
+    + kl_weight * KL(edited || unedited) of the next token at the subject of "{subject} is a"
+    + weight_decay * |delta| / |h|^2,
 
-its norm clamped to ``clamp_factor * |h|`` after every step, where h is the layer's output there.
+its norm clamped to ``clamp_factor * |h|`` after every step, where h is the layer's output there on the
+first prompt. The terms, their forms and the step and stop rules are those of EasyEdit's ``compute_v``
+(ROME) and ``compute_z`` (MEMIT).
 Adding delta to a layer's MLP output is adding it to the residual stream after that layer, so the
 same delta serves ROME (the edited layer, v* = W k + delta) and MEMIT (z at its last layer). The
 settings default to EasyEdit's ROME and MEMIT values for Llama models (25 steps, lr 0.5, KL weight
@@ -33,6 +35,11 @@ from aloe_build.tokens import batch_inputs, encode_continuation, encode_prompt, 
 from aloe_kernels.hf import locate_down_proj
 
 from .layer_inputs import subject_last_index
+
+#: the optimization stops once its loss is below this (EasyEdit's ROME and MEMIT)
+EARLY_STOP_LOSS = 5e-2
+#: bumped whenever what optimize_value computes changes (it keys the cache)
+VALUE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,23 +112,26 @@ def optimize_value(
     trainable = [q.requires_grad for q in model.parameters()]
     model.requires_grad_(False)  # only delta learns; the weights get no gradients
     try:
+        kl_at = int(b.at[-1])  # the KL prompt's subject token, where ROME compares the distributions
         with torch.no_grad():
-            unedited = F.log_softmax(model(**b.inputs).logits[-1, -1].float(), -1)
-        h_norm = box["h"].float().norm(dim=-1).mean()
+            unedited = F.log_softmax(model(**b.inputs).logits[-1, kl_at].float(), -1)
+        h_norm = box["h"][0].float().norm()  # the layer's output on the first prompt, before any delta
         delta = torch.zeros(site.d_out, device=device, requires_grad=True)
         box["delta"] = delta
         opt = torch.optim.Adam([delta], lr=settings.lr)
         log: dict[str, float] = {}
-        for step in range(settings.steps + 1):
+        # as EasyEdit's compute_v: ``steps`` scored passes, an update after each but the last, an early
+        # stop once the loss is below EARLY_STOP_LOSS; the last pass scored the delta returned
+        for step in range(settings.steps):
             logp = F.log_softmax(model(**b.inputs).logits.float(), -1)
             nll = torch.stack([-logp[r, cols, b.target_ids].mean() for r, cols in enumerate(b.target_cols)]).mean()
-            kl = F.kl_div(logp[-1, -1], unedited, log_target=True, reduction="sum")
-            loss = nll + settings.kl_weight * kl + settings.weight_decay * delta.norm() ** 2 / h_norm**2
+            kl = F.kl_div(unedited, logp[-1, kl_at], log_target=True, reduction="sum")  # KL(edited || unedited)
+            loss = nll + settings.kl_weight * kl + settings.weight_decay * delta.norm() / h_norm**2
             if step == 0:
                 log.update(nll_first=float(nll.detach()), kl_first=float(kl.detach()))
-            log.update(nll_last=float(nll.detach()), kl_last=float(kl.detach()))
-            if step == settings.steps:
-                break  # the last pass only scores the final delta
+            log.update(nll_last=float(nll.detach()), kl_last=float(kl.detach()), steps=step + 1)
+            if float(loss.detach()) < EARLY_STOP_LOSS or step == settings.steps - 1:
+                break
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -156,6 +166,7 @@ def cached_value(
 
     key = json.dumps(
         [
+            VALUE_VERSION,
             weight_fingerprint(locate_down_proj(model, layer).weight()),
             layer,
             prompt,

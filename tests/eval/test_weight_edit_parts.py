@@ -121,7 +121,8 @@ def test_target_value_lowers_the_target_nll_within_its_clamp_and_is_cached(tmp_p
     model, tok = tiny_model("llama"), tiny_tokenizer()
     before = [q.detach().clone() for q in model.parameters()]
     prompt, subject, target, layer = "The capital of France is", "France", "Rome", 1
-    settings = tv.ValueSettings(steps=15, clamp_factor=2.0)
+    # no weight decay: it is relative to the layer output, which is tiny in the tiny model
+    settings = tv.ValueSettings(steps=15, clamp_factor=2.0, weight_decay=0.0)
     delta, log = tv.optimize_value(model, tok, prompt, subject, target, layer, settings=settings)
     assert log["nll_last"] < log["nll_first"]
     at = subject_last_index(tok, prompt, subject)
