@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 
 
-def rank_one_update(W: torch.Tensor, C: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def rank_one_update(
+    W: torch.Tensor, C: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction: torch.Tensor | None = None
+) -> torch.Tensor:
     """dW (d_out, d) in float64 for the key ``k`` (d,) and value ``v`` (d_out,); ``C`` (d, d) must be
-    symmetric positive definite (a second moment of a layer's inputs over enough tokens is)."""
+    symmetric positive definite (a second moment of a layer's inputs over enough tokens is).
+
+    ``direction`` (default ``k``) is the key whose C^-1 image the change lies along: ROME takes it
+    averaged over context prefixes while mapping the plain prompt's key ``k`` exactly."""
     if W.dim() != 2 or C.shape != (W.shape[1], W.shape[1]) or k.shape != (W.shape[1],) or v.shape != (W.shape[0],):
         raise ValueError(
             f"rank_one_update: shapes W {tuple(W.shape)}, C {tuple(C.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     W, C, k, v = (t.double() for t in (W, C, k, v))
-    u = torch.linalg.solve(C, k)  # C^-1 k, without forming the inverse
+    u = torch.linalg.solve(C, k if direction is None else direction.double())  # C^-1 k, no inverse formed
     return torch.outer(v - W @ k, u) / (k @ u)

@@ -2,8 +2,10 @@
 of one layer's MLP down-projection, applied in stream order (each edit's key and value are read
 from the model with the edits before it in place, as sequential ROME does).
 
-Key: the down-projection input at the subject's last token, averaged over the context prefixes.
-Value: the layer's output there plus the optimized delta (:mod:`.target_values`). Update: the
+Key: the down-projection input at the subject's last token, averaged over the context prefixes (the
+direction of the change) and on the plain prompt (the key mapped exactly). Value: the layer's output
+there plus the optimized delta (:mod:`.target_values`). The second moment C is the ROME paper's;
+EasyEdit's published ROME configurations set ``mom2_adjustment: false``, which is C = I. Update: the
 closed form of :mod:`.rank_one` with the layer's input second moment (:mod:`.second_moments`).
 Attaching adds the summed change to the weight; detaching puts back the original bits.
 """
@@ -92,9 +94,11 @@ def fit_rome(
             editor.detach(model)
             editor.attach(model)  # the edits so far in place
             W = locate_down_proj(model, layer).weight().detach().double()
-            k = subject_key(model, tokenizer, r.prompt, r.subject, layer, prefixes)
+            k_avg = subject_key(model, tokenizer, r.prompt, r.subject, layer, prefixes)
+            k = subject_key(model, tokenizer, r.prompt, r.subject, layer, ("",)) if tuple(prefixes) != ("",) else k_avg
             delta = cached_value(model, tokenizer, r.prompt, r.subject, r.target_new, layer, cache_dir, prefixes, settings)
-            dW = rank_one_update(W, second_moment, k, W @ k + delta.double())
+            # as EasyEdit's ROME: along C^-1 k_avg, mapping the plain prompt's key to its output plus delta
+            dW = rank_one_update(W, second_moment, k, W @ k + delta.double(), direction=k_avg)
             editor.delta_weight = editor.delta_weight + dW.float()
     finally:
         editor.detach(model)

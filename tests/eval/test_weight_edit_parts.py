@@ -89,6 +89,18 @@ def test_rank_one_update_maps_the_key_and_is_the_cheapest_such_change(d, d_out):
         assert torch.trace(other @ C @ other.T) >= cost - 1e-12
 
 
+def test_rank_one_update_along_another_direction_still_maps_the_key():
+    g = torch.Generator().manual_seed(3)
+    W, k, k_dir, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((4, 6), (6,), (6,), (4,)))
+    C = torch.eye(6, dtype=torch.float64) * 2
+    dW = rank_one_update(W, C, k, v, direction=k_dir)
+    torch.testing.assert_close((W + dW) @ k, v, rtol=1e-10, atol=1e-10)
+    # with C = 2I the change lies along k_dir: keys orthogonal to it are left alone
+    x = torch.randn(6, generator=g, dtype=torch.float64)
+    x = x - (x @ k_dir) / (k_dir @ k_dir) * k_dir
+    torch.testing.assert_close(dW @ x, torch.zeros(4, dtype=torch.float64), rtol=0, atol=1e-10)
+
+
 def test_rank_one_update_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="shapes"):
         rank_one_update(torch.zeros(3, 4), torch.eye(3), torch.zeros(4), torch.zeros(3))
