@@ -53,6 +53,19 @@ def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path, metada
     write_atomically(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
+def cached_tensor(file: Path, compute: Callable[[], torch.Tensor], name: str = "states") -> torch.Tensor:
+    """The tensor ``name`` read from the safetensors ``file``, or computed by ``compute()`` and written
+    there atomically (a cache shared by builds and evaluations: concurrent writers never clobber it)."""
+    from safetensors.torch import load_file
+
+    if file.is_file():
+        return load_file(str(file))[name]
+    value = compute()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    save_tensors_atomically({name: value.contiguous()}, file)
+    return value
+
+
 #: Bump when what a stage stores changes, so that older checkpoints are recomputed, not misread.
 CHECKPOINT_FORMAT = 2
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints import save_tensors_atomically
+from ..checkpoints import cached_tensor
 from ..chunked import continued
 from ..config import BuildConfig
 from ..corpus import Corpus
@@ -57,18 +57,6 @@ def pool_prompt_prefixes(tokenizer, corpus: Corpus, cfg: BuildConfig) -> set[tup
     }
 
 
-def _cached_states(file: Path, compute) -> torch.Tensor:
-    """States read from ``file``, or computed by ``compute()`` and written there atomically."""
-    from safetensors.torch import load_file
-
-    if file.is_file():
-        return load_file(str(file))["states"]
-    states = compute()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    save_tensors_atomically({"states": states.contiguous()}, file)
-    return states
-
-
 def shared_negatives(
     model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig, edited_subjects: frozenset[str] = frozenset()
 ) -> torch.Tensor:
@@ -86,14 +74,14 @@ def shared_negatives(
         )[1].states
 
     tokens = cfg.negative_continuation_tokens
-    pool = _cached_states(
+    pool = cached_tensor(
         path / f"negatives-{cfg.negative_pool_records}-c{tokens}.safetensors",
         lambda: continued_states(shared_negative_texts(corpus, cfg), "stage 3: shared negatives and their continuations"),
     )
     if cfg.experimental.negatives_paraphrases > 0:
         texts = shared_paraphrase_texts(corpus, cfg, edited_subjects)
         digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:12]
-        reworded = _cached_states(
+        reworded = cached_tensor(
             path / f"negatives-paraphrases-{digest}-c{tokens}.safetensors",
             lambda: continued_states(texts, "stage 3: corpus rewordings and their continuations"),
         )
@@ -103,7 +91,7 @@ def shared_negatives(
         pool = torch.cat(
             [
                 pool,
-                _cached_states(
+                cached_tensor(
                     path / name,
                     lambda: continued_states(
                         shared_question_texts(corpus, cfg), "stage 3: generic questions and their continuations"
@@ -158,4 +146,4 @@ def shared_chat_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
         f"negatives-chat-{cfg.chat.negatives_chat_pool}-c{cfg.chat.negatives_chat_answer_tokens}-s{len(generic)}{questions}-"
         f"{chat_template_key(tokenizer, (*cfg.chat.chat_systems, *generic))}"
     )
-    return _cached_states(path / f"{name}.safetensors", compute)
+    return cached_tensor(path / f"{name}.safetensors", compute)

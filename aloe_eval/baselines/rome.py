@@ -21,7 +21,7 @@ from torch import nn
 from aloe_kernels.hf import locate_down_proj
 
 from ..editors import Editor
-from .layer_inputs import down_proj_inputs, subject_last_index
+from .layer_inputs import subject_keys
 from .rank_one import rank_one_update
 from .target_values import ValueSettings, cached_value
 
@@ -68,12 +68,8 @@ def _as_stored(delta: torch.Tensor, model: nn.Module, layer: int) -> torch.Tenso
 def subject_key(model: nn.Module, tokenizer, prompt: str, subject: str, layer: int, prefixes: Sequence[str]) -> torch.Tensor:
     """The edit's key: the layer's down-projection input at the subject's last token, averaged
     over the prompt after each prefix (ROME's k*)."""
-    from aloe_build.tokens import encode_prompt
-
     texts = [p + prompt for p in prefixes]
-    seqs = [encode_prompt(tokenizer, t) for t in texts]
-    at = [[subject_last_index(tokenizer, t, subject)] for t in texts]
-    return torch.cat(down_proj_inputs(model, tokenizer, seqs, at, layer)).double().mean(0)
+    return subject_keys(model, tokenizer, texts, [subject] * len(texts), layer).double().mean(0)
 
 
 def fit_rome(

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from aloe_build.checkpoints import save_tensors_atomically
+from aloe_build.checkpoints import cached_tensor
 from aloe_build.tokens import encode_prompt
 from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
@@ -44,14 +44,7 @@ def cached_second_moment(
     model: nn.Module, tokenizer, texts: Sequence[str], layer: int, cache_dir: str | Path, batch_size: int = 16
 ) -> torch.Tensor:
     """:func:`second_moment`, read from ``cache_dir`` when the same weight, layer and texts made it."""
-    from safetensors.torch import load_file
-
     fingerprint = weight_fingerprint(locate_down_proj(model, layer).weight())
     key = hashlib.sha256(json.dumps([fingerprint, layer, list(texts)]).encode()).hexdigest()[:16]
     file = Path(cache_dir) / f"second-moment-layer{layer}-{key}.safetensors"
-    if file.is_file():
-        return load_file(str(file))["C"]
-    C = second_moment(model, tokenizer, texts, layer, batch_size)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    save_tensors_atomically({"C": C.contiguous()}, file)
-    return C
+    return cached_tensor(file, lambda: second_moment(model, tokenizer, texts, layer, batch_size), "C")

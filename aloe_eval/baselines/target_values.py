@@ -159,9 +159,7 @@ def cached_value(
 ) -> torch.Tensor:
     """:func:`optimize_value`, read from ``cache_dir`` when the same model layer, edit, prefixes and
     settings made it (each value costs tens of forward and backward passes)."""
-    from safetensors.torch import load_file
-
-    from aloe_build.checkpoints import save_tensors_atomically
+    from aloe_build.checkpoints import cached_tensor
     from aloe_kernels import weight_fingerprint
 
     key = json.dumps(
@@ -177,9 +175,6 @@ def cached_value(
         ]
     )
     file = Path(cache_dir) / f"value-layer{layer}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
-    if file.is_file():
-        return load_file(str(file))["delta"]
-    delta, _ = optimize_value(model, tokenizer, prompt, subject, target, layer, prefixes, settings)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    save_tensors_atomically({"delta": delta.contiguous()}, file)
-    return delta
+    return cached_tensor(
+        file, lambda: optimize_value(model, tokenizer, prompt, subject, target, layer, prefixes, settings)[0], "delta"
+    )
