@@ -15,8 +15,8 @@ BEGIN, END = "<!-- fields:begin -->", "<!-- fields:end -->"
 OPTIONS_MD = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 
 
-def _rows() -> list[tuple[str, str, str, str]]:
-    """(group, name, default, help) of every field, in stage order within each group."""
+def _rows() -> list[tuple[str, str, int, str, str]]:
+    """(group, name, stage, default, help) of every field, in stage order within each group."""
     from aloe_build.config import GROUPS, BuildConfig
 
     group_of = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
@@ -28,6 +28,7 @@ def _rows() -> list[tuple[str, str, str, str]]:
         (
             group_of.get(f.name, "core"),
             f.name,
+            f.metadata["stage"],
             repr(f.default if f.default is not dataclasses.MISSING else f.default_factory()),
             f.metadata["help"],
         )
@@ -44,20 +45,13 @@ def settings_text(width: int = 100) -> str:
     lines += [f"  {name:10s} {what}" for name, (what, _) in PRESETS.items()]
     lines += ["", "settings (--set KEY=VALUE; values are JSON where they parse):"]
     group = None
-    for g, name, default, help_text in _rows():
+    for g, name, stage, default, help_text in _rows():
         if g != group:
             group = g
             lines.append(f"  [{g}]")
-        stage = _stage_of(name)
         lines.append(f"  {name} = {default}  (stage {stage}: {STAGES.get(stage, 'every stage')})")
         lines += textwrap.wrap(help_text, width, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
-
-
-def _stage_of(name: str) -> int:
-    from aloe_build.config import BuildConfig
-
-    return next(f.metadata["stage"] for f in BuildConfig.field_specs() if f.name == name)
 
 
 def settings_markdown() -> str:
@@ -66,7 +60,7 @@ def settings_markdown() -> str:
 
     out = []
     group = None
-    for g, name, default, help_text in _rows():
+    for g, name, stage, default, help_text in _rows():
         if g != group:
             group = g
             title = {
@@ -75,7 +69,6 @@ def settings_markdown() -> str:
                 "experimental": "Experimental (`BuildConfig.experimental`; setting one warns)",
             }[g]
             out += ["", f"### {title}", "", "| field | default | stage | what it does |", "|---|---|---|---|"]
-        stage = _stage_of(name)
         where = f"{stage} ({STAGES[stage]})" if stage else "all"
         out.append(f"| `{name}` | `{default}` | {where} | {help_text.replace('|', '/')} |")
     return "\n".join(out[1:])

@@ -46,6 +46,17 @@ def dist(xs: Sequence[float]) -> dict[str, Any] | None:
     return {"n": len(v), "mean": sum(v) / len(v), "median": q(0.5), "p10": q(0.1), "p90": q(0.9), "min": v[0], "max": v[-1]}
 
 
+def mean_with_se(xs: Iterable[float | None]) -> dict[str, float] | None:
+    """Mean of the values that are not None, its standard error (sample standard deviation over
+    sqrt(n)) and n; None when there are none."""
+    v = [float(x) for x in xs if x is not None]
+    if not v:
+        return None
+    m = sum(v) / len(v)
+    var = sum((x - m) ** 2 for x in v) / max(len(v) - 1, 1)
+    return {"mean": m, "se": math.sqrt(var / len(v)), "n": len(v)}
+
+
 def share(xs: Sequence[bool]) -> float | None:
     """Share of true values (None when empty)."""
     return sum(1 for x in xs if x) / len(xs) if xs else None

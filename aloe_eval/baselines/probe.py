@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from aloe_build.forward import teacher_forced
 from aloe_build.tokens import encode_continuation, pad_id
 
+from ..metrics import mean_with_se
 from .layer_inputs import SubjectNotFound
 from .rome import fit_rome
 from .second_moments import cached_second_moment
@@ -59,15 +59,6 @@ def _row(model, tok, edit, layer: int, C: torch.Tensor, cache: Path) -> dict:
         "in_context_rewording": context,
         "seconds": time.perf_counter() - t0,
     }
-
-
-def _mean_se(xs: list[float]) -> dict[str, float] | None:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None
-    m = sum(xs) / len(xs)
-    var = sum((x - m) ** 2 for x in xs) / max(len(xs) - 1, 1)
-    return {"mean": m, "se": math.sqrt(var / len(xs)), "n": len(xs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(row) + "\n")
         print(f"{i + 1}/{len(edits)} {edit.id}: {row}", file=sys.stderr)
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
-    summary = {k: _mean_se([r[k] for r in rows]) for k in ("efficacy", "generalization", "locality", "in_context_rewording")}
+    summary = {k: mean_with_se([r[k] for r in rows]) for k in ("efficacy", "generalization", "locality", "in_context_rewording")}
     summary.update(
         editor="ROME (reimplementation)",
         layer=args.layer,
         edits=len(rows),
         skipped=skipped,
-        seconds_per_edit=_mean_se([r["seconds"] for r in rows]),
+        seconds_per_edit=mean_with_se([r["seconds"] for r in rows]),
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

@@ -203,3 +203,11 @@ def test_probe_produces_agrees_with_greedy_decoding():
         verdicts.append(produces(model, tok, prompt, w))
         assert verdicts[-1] == (tuple(greedy[: len(t)]) == t), w
     assert verdicts[-1] and not all(verdicts)
+
+
+def test_mean_with_se_skips_missing_values():
+    from aloe_eval.metrics import mean_with_se
+
+    got = mean_with_se([1.0, 0.0, 1.0, None])  # sample sd sqrt(1/3) over sqrt(3): a third
+    assert got["n"] == 3 and got["mean"] == pytest.approx(2 / 3) and got["se"] == pytest.approx(1 / 3)
+    assert mean_with_se([None]) is None
