@@ -39,6 +39,11 @@ def _at(stage: int, default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"stage": stage, "help": help})
 
 
+def changed_fields(group: Any) -> list[str]:
+    """The fields of a group dataclass set away from their defaults."""
+    return [f.name for f in dataclasses.fields(group) if getattr(group, f.name) != f.default]
+
+
 @dataclasses.dataclass
 class ChatConfig:
     """Edits that fire when the model is asked through its chat template (``BuildConfig.chat``).
@@ -229,10 +234,6 @@ class ExperimentalConfig:
         if self.encoder_members < 1:
             raise ValueError(f"BuildConfig: encoder_members must be at least 1, got {self.encoder_members}")
 
-    def changed(self) -> list[str]:
-        """The fields set away from their defaults."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
-
 
 #: The groups of :class:`BuildConfig`, by attribute name.
 GROUPS: dict[str, type] = {"chat": ChatConfig, "experimental": ExperimentalConfig}
@@ -385,17 +386,13 @@ class BuildConfig:
                 autocast_dtype(getattr(self, name))
             except ValueError as err:
                 raise ValueError(f"BuildConfig: {name}: {err}") from None
-        changed = self.experimental.changed()
+        changed = changed_fields(self.experimental)
         if changed:
             warnings.warn(
                 f"BuildConfig: experimental settings {changed} (off by default; measured effects in docs/experiments.md)",
                 stacklevel=4,
             )
-        unused = [
-            f.name
-            for f in dataclasses.fields(ChatConfig)
-            if f.name != "positives_chat" and getattr(self.chat, f.name) != f.default
-        ]
+        unused = [name for name in changed_fields(self.chat) if name != "positives_chat"]
         if unused and not self.chat.positives_chat:
             warnings.warn(f"BuildConfig: {unused} have no effect without positives_chat", stacklevel=4)
 
