@@ -82,12 +82,15 @@ def collect_states(
     batch_size: int = 32,
     desc: str | None = None,
     tick: Tick | None = None,
+    normalize: bool = True,
 ) -> StateBatch:
     """Normalized down-projection inputs at layer ``layer`` for token id sequences.
 
     ``positions[i]`` lists the positions of sequence i to keep (0-based, in the
     unpadded sequence); None keeps every position. ``tick``, if given, is called after
-    each batch with the number of sequences it finished (an outer progress bar).
+    each batch with the number of sequences it finished (an outer progress bar). With
+    ``normalize`` false the inputs are kept raw, as a weight multiplies them (the weight
+    editors' keys), in float32.
     """
     device = model_device(model)
     pid = pad_id(tokenizer)
@@ -103,7 +106,8 @@ def collect_states(
             for row, i in enumerate(idx):
                 n = len(sequences[i])
                 cols = torch.tensor([width - n + p for p in keep[i]], dtype=torch.long, device=h.device)
-                states[int(offsets[i]) : int(offsets[i + 1])] = normalize_rows(h[row].index_select(0, cols)).cpu()
+                rows = h[row].index_select(0, cols)
+                states[int(offsets[i]) : int(offsets[i + 1])] = (normalize_rows(rows) if normalize else rows).cpu()
             if tick is not None:
                 tick(len(idx))
     return out

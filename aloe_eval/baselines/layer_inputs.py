@@ -12,9 +12,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from aloe_build.forward import capture_down_proj_input, model_device
-from aloe_build.states import run_captured
-from aloe_build.tokens import batch_inputs, encode_prompt, pad_id
+from aloe_build.states import collect_states
+from aloe_build.tokens import encode_prompt
 
 
 class SubjectNotFound(ValueError):
@@ -35,7 +34,6 @@ def subject_last_index(tokenizer, prompt: str, subject: str) -> int:
     return len(head) - 1
 
 
-@torch.no_grad()
 def down_proj_inputs(
     model: nn.Module,
     tokenizer,
@@ -46,19 +44,8 @@ def down_proj_inputs(
 ) -> list[torch.Tensor]:
     """For each token sequence, the raw down-projection inputs of ``layer`` at its ``positions``
     (0-based in the unpadded sequence), float32 on the CPU: one (len(positions[i]), d) tensor each."""
-    device, pid = model_device(model), pad_id(tokenizer)
-    out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    with capture_down_proj_input(model, layer) as box:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            inputs = batch_inputs([sequences[i] for i in idx], pid, device)
-            h = run_captured(model, box, **inputs)
-            width = inputs["input_ids"].shape[1]
-            for row, i in enumerate(idx):
-                cols = [width - len(sequences[i]) + p for p in positions[i]]
-                out[i] = h[row, cols].float().cpu()
-    return out
+    got = collect_states(model, tokenizer, sequences, layer, positions, batch_size, normalize=False)
+    return [got.of(i) for i in range(len(sequences))]
 
 
 def subject_keys(
