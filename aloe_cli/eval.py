@@ -16,6 +16,7 @@ from aloe_build.models import cache_root, resolve_dtype
 from aloe_build.tokens import chat_template_key
 from aloe_eval import AloeEditor, evaluate
 from aloe_eval.baselines.grace import GraceConfig
+from aloe_eval.baselines.weight_editors import WEIGHT_EDITORS
 from aloe_eval.chat import CHAT_ANSWERS_CACHE, SYSTEMS, chat_evaluation, chat_markdown
 from aloe_eval.chunks import ChunkStore
 from aloe_kernels import AloeOperator, weight_fingerprint
@@ -258,10 +259,12 @@ def _add_baseline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
         action="append",
-        choices=["grace", "unedited"],
+        choices=["grace", "unedited", *WEIGHT_EDITORS],
         default=None,
-        help="also score this baseline on the same model, layer and stream (repeatable); the unedited "
-        "model is always scored unless --no-unedited",
+        help="also score this baseline on the same model and stream (repeatable): GRACE on the same layer; "
+        "ROME, MEMIT or AlphaEdit, the weight editors, on their own early layers (their target values are "
+        "cached under $ALOE_CACHE/weight-edits, so a rerun resumes); the unedited model is always scored "
+        "unless --no-unedited",
     )
     p.add_argument("--no-unedited", action="store_true", help="do not score the unedited model as a baseline")
     p.add_argument(

@@ -98,6 +98,7 @@ from aloe_build.tokens import pad_id as tokenizer_pad_id
 from aloe_build.tokens import stop_ids
 from aloe_kernels.hf import find_aloe_modules
 
+from .baselines.weight_editors import WEIGHT_EDITORS
 from .chunks import ChunkStore, chunk_bounds, chunk_key, merge_results
 from .definitions import LOCALITY_DEFAULT_TOKENS, LOCALITY_MAX_TOKENS, PORTABILITY_MAX_TOKENS
 from .editors import AloeEditor, Editor, UneditedEditor, as_editor
@@ -134,9 +135,9 @@ def evaluate(
         batch_size: sequences per forward pass.
         progress: show tqdm bars on stderr.
         baseline: further editors on the same model, layer and stream:
-            ``"unedited"``, ``"grace"`` (the GRACE reimplementation of
-            :mod:`aloe_eval.baselines.grace`, fitted here on ``requests``), an
-            :class:`Editor`, or a list of these.
+            ``"unedited"``, ``"grace"``, ``"rome"``, ``"memit"``, ``"alphaedit"``
+            (reimplementations in :mod:`aloe_eval.baselines`, fitted here on
+            ``requests``), an :class:`Editor`, or a list of these.
         layer: the edited layer for baselines (default: the operator's layer,
             else ``aloe_build.models.default_layer(model)``).
         open_threshold: a gate counts as open at or above this value.
@@ -311,8 +312,16 @@ def _editors(
                 )
             )
             timings["grace_fit_s"] = time.perf_counter() - t
+        elif str(b).lower() in WEIGHT_EDITORS:
+            from .baselines.weight_editors import fit_weight_editor
+
+            t = time.perf_counter()
+            editors.append(fit_weight_editor(str(b), model, tokenizer, requests, progress=progress))
+            timings[f"{str(b).lower()}_fit_s"] = time.perf_counter() - t
         else:
-            raise ValueError(f"unknown baseline {b!r}: expected 'unedited', 'grace' or an Editor")
+            raise ValueError(
+                f"unknown baseline {b!r}: expected 'unedited', 'grace', {', '.join(map(repr, WEIGHT_EDITORS))} or an Editor"
+            )
     if not editors:
         editors = [UneditedEditor(layer)]
     names = [e.name for e in editors]

@@ -27,12 +27,9 @@ from aloe_build.forward import teacher_forced
 from aloe_build.tokens import encode_continuation, pad_id
 
 from ..metrics import mean_with_se
-from .layer_inputs import SubjectNotFound
+from .layer_inputs import SubjectNotFound, subject_last_index
 from .rome import fit_rome
-from .second_moments import cached_second_moment
-
-#: corpus statements whose down-projection inputs give the second moment (never an evaluated stream)
-SECOND_MOMENT_RECORDS = 2000
+from .weight_editors import corpus_second_moments, weight_edit_cache
 
 
 def produces(model, tokenizer, prompt: str, target: str) -> bool:
@@ -46,6 +43,7 @@ def _row(model, tok, edit, layer: int, C: torch.Tensor, cache: Path) -> dict:
     from aloe_eval import evaluate
 
     t0 = time.perf_counter()
+    subject_last_index(tok, edit.prompt, edit.subject)  # raises SubjectNotFound: no key to edit
     editor = fit_rome(model, tok, [edit], layer, C, cache)
     paper = evaluate(model, tok, [edit], editor, progress=False).summary["paper"]
     context = None
@@ -63,8 +61,6 @@ def _row(model, tok, edit, layer: int, C: torch.Tensor, cache: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from aloe_build import load_edits, load_model
-    from aloe_build.corpus import default_corpus_path
-    from aloe_build.models import cache_root
 
     ap = argparse.ArgumentParser(prog="python -m aloe_eval.baselines.probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -76,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model, tok = load_model(args.model)
     edits = load_edits(args.edits, limit=args.limit, skip_invalid=args.skip_invalid)
-    cache = cache_root() / "weight-edits"
-    corpus = load_edits(default_corpus_path(), limit=SECOND_MOMENT_RECORDS)
-    C = cached_second_moment(model, tok, [f"{r.prompt} {r.ground_truth or ''}".strip() for r in corpus], args.layer, cache)
+    cache = weight_edit_cache()
+    C = corpus_second_moments(model, tok, [args.layer])[args.layer]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows_file = out / "rows.jsonl"

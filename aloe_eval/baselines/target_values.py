@@ -9,13 +9,15 @@ optimized with Adam on
     + kl_weight * KL(edited || unedited) of the next token at the subject of "{subject} is a"
     + weight_decay * |delta| / |h|^2,
 
-its norm clamped to ``clamp_factor * |h|`` after every step, where h is the layer's output there on the
-first prompt. The terms, their forms and the step and stop rules are those of EasyEdit's ``compute_v``
-(ROME) and ``compute_z`` (MEMIT).
+its norm clamped to ``clamp_factor * |h|`` after every step, where h is the unedited model's state there
+on the first prompt: the MLP's output for ROME (``norm_of="mlp"``), the residual stream after the layer
+for MEMIT and AlphaEdit (``norm_of="residual"``). The terms, their forms and the step and stop rules are
+those of EasyEdit's ``compute_v`` (ROME) and ``compute_z`` (MEMIT).
 Adding delta to a layer's MLP output is adding it to the residual stream after that layer, so the
 same delta serves ROME (the edited layer, v* = W k + delta) and MEMIT (z at its last layer). The
-settings default to EasyEdit's ROME and MEMIT values for Llama models (25 steps, lr 0.5, KL weight
-0.0625, weight decay 1e-3, clamp 4).
+settings default to EasyEdit's ROME values for Llama models (25 steps, lr 0.5, KL weight 0.0625,
+weight decay 1e-3, clamp 4); :data:`MEMIT_VALUE` holds the AlphaEdit paper's values for its MEMIT and
+AlphaEdit runs on Llama-3-8B, which the two share here.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import nn
 
 from aloe_build.forward import model_device
 from aloe_build.tokens import batch_inputs, encode_continuation, encode_prompt, pad_id
-from aloe_kernels.hf import locate_down_proj
+from aloe_kernels.hf import decoder_layers, locate_down_proj
 
 from .layer_inputs import subject_last_index
 
@@ -51,6 +53,15 @@ class ValueSettings:
     kl_weight: float = 0.0625
     weight_decay: float = 1e-3
     clamp_factor: float = 4.0
+    norm_of: str = "mlp"  # the state whose norm scales the clamp and the decay: "mlp" or "residual"
+
+    def __post_init__(self) -> None:
+        if self.norm_of not in ("mlp", "residual"):
+            raise ValueError(f"ValueSettings.norm_of must be 'mlp' or 'residual', got {self.norm_of!r}")
+
+
+#: MEMIT's and AlphaEdit's target values (the AlphaEdit paper's Llama-3-8B configurations)
+MEMIT_VALUE = ValueSettings(steps=25, lr=0.1, kl_weight=0.0625, weight_decay=0.5, clamp_factor=0.75, norm_of="residual")
 
 
 @dataclasses.dataclass
@@ -108,14 +119,20 @@ def optimize_value(
         out[rows, b.at] = out[rows, b.at] + box["delta"].to(out.dtype)
         return out
 
+    def read_residual(module, args, out):
+        if box["delta"] is None:  # the unedited pass
+            box["residual"] = (out[0] if isinstance(out, tuple) else out)[0, b.at[0]].detach()
+
     handle = site.module.register_forward_hook(add_delta)
+    handle_residual = decoder_layers(model)[1][layer].register_forward_hook(read_residual)
     trainable = [q.requires_grad for q in model.parameters()]
     model.requires_grad_(False)  # only delta learns; the weights get no gradients
     try:
         kl_at = int(b.at[-1])  # the KL prompt's subject token, where ROME compares the distributions
         with torch.no_grad():
             unedited = F.log_softmax(model(**b.inputs).logits[-1, kl_at].float(), -1)
-        h_norm = box["h"][0].float().norm()  # the layer's output on the first prompt, before any delta
+        # the clamp's and the decay's scale: the unedited state on the first prompt
+        h_norm = (box["h"][0] if settings.norm_of == "mlp" else box["residual"]).float().norm()
         delta = torch.zeros(site.d_out, device=device, requires_grad=True)
         box["delta"] = delta
         opt = torch.optim.Adam([delta], lr=settings.lr)
@@ -141,6 +158,7 @@ def optimize_value(
                     delta.mul_(cap / delta.norm())
     finally:
         handle.remove()
+        handle_residual.remove()
         for q, flag in zip(model.parameters(), trainable):
             q.requires_grad_(flag)
     return delta.detach().float().cpu(), log

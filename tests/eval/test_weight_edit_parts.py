@@ -183,7 +183,7 @@ def test_rome_maps_the_subject_key_to_its_value_and_detach_restores_the_bits(tmp
     assert not torch.equal(site.weight(), original)
     editor.detach(model)
     assert torch.equal(site.weight(), original)
-    assert torch.linalg.matrix_rank(editor.delta_weight.double(), rtol=1e-6) == 2
+    assert torch.linalg.matrix_rank(editor.deltas[editor.layer].double(), rtol=1e-6) == 2
 
 
 def test_probe_produces_agrees_with_greedy_decoding():
