@@ -19,6 +19,8 @@ from aloe_eval.baselines.grace import GraceConfig
 from aloe_eval.baselines.weight_editors import WEIGHT_EDITORS
 from aloe_eval.chat import CHAT_ANSWERS_CACHE, SYSTEMS, chat_evaluation, chat_markdown
 from aloe_eval.chunks import ChunkStore
+from aloe_eval.editors import Editor, UneditedEditor
+from aloe_eval.protocol import edited_layer, fit_baseline
 from aloe_kernels import AloeOperator, weight_fingerprint
 from aloe_kernels.errors import AloeError
 from aloe_kernels.hf import locate_down_proj
@@ -164,12 +166,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         editor = _editor(op, args)
     meta = _meta(args, edits_path)
     out = Path(args.out) if args.out else _default_out(args)
+    layer = edited_layer(model, editor, args.layer)
+    # each baseline is fitted once, for the chat questions and the stream alike
+    fitted = [
+        fit_baseline(b, model, tokenizer, requests, layer, grace_cfg, args.batch_size, progress=not args.quiet) for b in baselines
+    ]
     if args.chat != "off":
-        if editor is None:
-            return _fail("--chat needs --operator")
-        _chat(model, tokenizer, requests, editor, args, meta, out)
+        chatted = ([editor] if editor is not None else []) + [e for e in fitted if not isinstance(e, UneditedEditor)]
+        if not chatted:
+            return _fail("--chat needs --operator or a --baseline other than unedited")
+        for e in chatted:
+            _chat(model, tokenizer, requests, e, args, meta, out)
         if args.chat == "only":
-            ChunkStore(out / PARTS_DIR).clear()  # chat.json holds every answer saved there
+            ChunkStore(out / PARTS_DIR).clear()  # the chat files hold every answer saved there
             return 0
     try:
         report = evaluate(
@@ -179,7 +188,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             editor,
             batch_size=args.batch_size,
             progress=not args.quiet,
-            baseline=baselines,
+            baseline=fitted,
             layer=args.layer,
             grace_config=grace_cfg,
             meta=meta,
@@ -192,20 +201,26 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: dict, out: Path) -> None:
-    """The chat-form evaluation (:mod:`aloe_eval.chat`) into ``out/chat.json`` and ``out/chat.md``."""
+def _chat(model, tokenizer, requests, editor: Editor, args: argparse.Namespace, meta: dict, out: Path) -> None:
+    """The chat-form evaluation (:mod:`aloe_eval.chat`) of one editor: the operator's into
+    ``out/chat.json`` and ``out/chat.md``, a baseline's into ``out/chat_<kind>.json`` and ``.md``."""
     systems = {**SYSTEMS, **{f"system_{k + 1}": text for k, text in enumerate(args.chat_system or [])}}
     # the answers are saved under OUT/parts as they come, so an interrupted run resumes there; the
     # unedited model's answers go to a cache that every evaluation of the same model reads
     param = next(model.parameters())
     model_context = {
-        "weight": weight_fingerprint(locate_down_proj(model, editor.layer).weight()),
-        "layer": editor.layer,
+        "weight": weight_fingerprint(locate_down_proj(model, edited_layer(model, editor, args.layer)).weight()),
+        "layer": edited_layer(model, editor, args.layer),
         "dtype": str(param.dtype),
         "device": param.device.type,
         "template": chat_template_key(tokenizer),
     }
-    context = {"operator": editor.op.fingerprint(), "operator_dtype": args.operator_dtype}
+    if isinstance(editor, AloeEditor):
+        context, stem = {"operator": editor.op.fingerprint(), "operator_dtype": args.operator_dtype}, "chat"
+    else:
+        kind = str(editor.info().get("kind", editor.name)).lower()
+        context = {"editor": editor.name, "info": json.dumps(editor.info(), sort_keys=True, default=str)}
+        stem = f"chat_{kind}"
     result = chat_evaluation(
         model,
         tokenizer,
@@ -219,13 +234,13 @@ def _chat(model, tokenizer, requests, editor, args: argparse.Namespace, meta: di
         model_context=model_context,
         unedited_parts=ChunkStore(cache_root() / CHAT_ANSWERS_CACHE),
     )
-    result["meta"] = meta
+    result["meta"] = {**meta, "editor": editor.name}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chat.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, ensure_ascii=False))
     table = chat_markdown(result)
-    (out / "chat.md").write_text(f"Command: `{meta['command']}`\n\n{table}\n")
-    print(table)
-    print(f"wrote chat: {out / 'chat.json'}")
+    (out / f"{stem}.md").write_text(f"Command: `{meta['command']}`\nEditor: {editor.name}\n\n{table}\n")
+    print(f"{editor.name}:\n{table}")
+    print(f"wrote chat: {out / (stem + '.json')}")
 
 
 def _cmd_sequential(args: argparse.Namespace) -> int:

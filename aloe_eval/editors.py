@@ -23,6 +23,8 @@ class Editor:
 
     name: str = "editor"
     layer: int | None = None
+    #: seconds it took to fit the editor on the stream, where it was fitted for the evaluation
+    fit_seconds: float | None = None
 
     def attach(self, model: nn.Module) -> None:
         raise NotImplementedError

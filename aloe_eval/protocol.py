@@ -159,7 +159,7 @@ def evaluate(
         raise ValueError("no edit requests to evaluate")
     t_start = time.perf_counter()
     primary = as_editor(op, layer) if op is not None else None
-    layer = _edited_layer(model, primary, layer)
+    layer = edited_layer(model, primary, layer)
     timings: dict[str, float] = {}
     editors = _editors(model, tokenizer, requests, primary, baseline, layer, grace_config, batch_size, progress, timings)
     names = [e.name for e in editors]
@@ -189,7 +189,7 @@ def evaluate(
     return EvalReport(jsonable(m), results, names[0])
 
 
-def _edited_layer(model, primary: Editor | None, layer: int | None) -> int:
+def edited_layer(model, primary: Editor | None, layer: int | None) -> int:
     """The layer the baselines edit: ``layer`` when given, else the editor under test's, else the
     model's default (so that every editor is compared on the same layer)."""
     if layer is None:
@@ -294,40 +294,51 @@ def _editors(
     for b in bl:
         if isinstance(b, Editor):
             editors.append(b)
-        elif str(b).lower() in ("unedited", "none", "base"):
-            editors.append(UneditedEditor(layer))
-        elif str(b).lower() == "grace":
-            from .baselines.grace import GraceConfig, fit_grace
-
-            t = time.perf_counter()
-            editors.append(
-                fit_grace(
-                    model,
-                    tokenizer,
-                    requests,
-                    layer,
-                    grace_config or GraceConfig(),
-                    batch_size=min(batch_size, 16),
-                    progress=progress,
-                )
-            )
-            timings["grace_fit_s"] = time.perf_counter() - t
-        elif str(b).lower() in WEIGHT_EDITORS:
-            from .baselines.weight_editors import fit_weight_editor
-
-            t = time.perf_counter()
-            editors.append(fit_weight_editor(str(b), model, tokenizer, requests, progress=progress))
-            timings[f"{str(b).lower()}_fit_s"] = time.perf_counter() - t
-        else:
-            raise ValueError(
-                f"unknown baseline {b!r}: expected 'unedited', 'grace', {', '.join(map(repr, WEIGHT_EDITORS))} or an Editor"
-            )
+            continue
+        e = fit_baseline(str(b), model, tokenizer, requests, layer, grace_config, batch_size, progress)
+        if e.fit_seconds is not None:
+            timings[f"{str(b).lower()}_fit_s"] = e.fit_seconds
+        editors.append(e)
     if not editors:
         editors = [UneditedEditor(layer)]
     names = [e.name for e in editors]
     if len(set(names)) != len(names):
         raise ValueError(f"editor names must be distinct, got {names}")
     return editors
+
+
+def fit_baseline(
+    name: str,
+    model,
+    tokenizer,
+    requests: Sequence[Any],
+    layer: int,
+    grace_config: Any = None,
+    batch_size: int = 32,
+    progress: bool = False,
+) -> Editor:
+    """The baseline ``name`` ready to attach: ``"unedited"``, or ``"grace"`` (at ``layer``) or a weight
+    editor (on its own layers) fitted on ``requests``, its fitting time in ``fit_seconds``."""
+    key = name.lower()
+    t = time.perf_counter()
+    if key in ("unedited", "none", "base"):
+        return UneditedEditor(layer)
+    if key == "grace":
+        from .baselines.grace import GraceConfig, fit_grace
+
+        cfg = grace_config or GraceConfig()
+        editor: Editor = fit_grace(
+            model, tokenizer, list(requests), layer, cfg, batch_size=min(batch_size, 16), progress=progress
+        )
+    elif key in WEIGHT_EDITORS:
+        from .baselines.weight_editors import fit_weight_editor
+
+        editor = fit_weight_editor(key, model, tokenizer, requests, progress=progress)
+    else:
+        known = ", ".join(map(repr, ("unedited", "grace", *WEIGHT_EDITORS)))
+        raise ValueError(f"unknown baseline {name!r}: expected one of {known} or an Editor")
+    editor.fit_seconds = time.perf_counter() - t
+    return editor
 
 
 def _meta(

@@ -115,7 +115,8 @@ def score_editor(
     if scorer.pca_pairs and not scorer.unedited:
         plots["pca"] = pca(scorer.pca_pairs)
     scorer.timings["total_s"] = time.perf_counter() - t0
-    info = {**editor.info(), "timings": scorer.timings}
+    timings = scorer.timings if editor.fit_seconds is None else {"fit_s": editor.fit_seconds, **scorer.timings}
+    info = {**editor.info(), "timings": timings}
     return EditorResult(editor.name, summary, rows, info, plots)
 
 

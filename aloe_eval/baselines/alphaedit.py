@@ -17,7 +17,6 @@ from the edited model), so that an update moves neither the usual keys (P) nor t
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -76,7 +75,6 @@ def fit_alphaedit(
     is left as it was."""
     from .context_prefixes import flat
 
-    t0 = time.perf_counter()
     usable, skipped = locatable(tokenizer, requests, flat(groups))
     projections, kept = {}, {}
     for layer in settings.layers:
@@ -112,6 +110,5 @@ def fit_alphaedit(
         "l2": settings.l2,
         "batch_size": settings.batch_size,
         "value": dataclasses.asdict(settings.value),
-        "fit_seconds": time.perf_counter() - t0,
     }
     return editor

@@ -150,7 +150,7 @@ class GraceEditor(Editor):
         self.name = name
         self.layer = layer
         self.keys, self.eps, self.values = keys, eps, values
-        self.edit_slots = edit_slots
+        self.slot_per_edit = edit_slots  # the Editor method edit_slots answers per request
         self._by_id = {i: s for i, s in zip(edit_ids, edit_slots)}
         self.labels = labels
         self._info = info

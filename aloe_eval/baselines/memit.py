@@ -17,7 +17,6 @@ text, lambda its weight). AlphaEdit (:mod:`.alphaedit`) shares everything here b
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -117,7 +116,6 @@ def fit_memit(
     left as it was. ``groups``: the context prefixes (:func:`.context_prefixes.prefix_groups`)."""
     from .context_prefixes import flat
 
-    t0 = time.perf_counter()
     usable, skipped = locatable(tokenizer, requests, flat(groups))
     editor = WeightDeltaEditor("MEMIT (reimplementation)", "memit", zero_deltas(model, settings.layers))
     if usable:
@@ -130,6 +128,5 @@ def fit_memit(
         "covariance_weight": settings.covariance_weight,
         "value": dataclasses.asdict(settings.value),
         "prefixes": [list(g) for g in groups],
-        "fit_seconds": time.perf_counter() - t0,
     }
     return editor

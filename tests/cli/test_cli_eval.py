@@ -183,3 +183,26 @@ def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path,
     assert main(base + ["--chat", "only", "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "chat.json").read_text())
     assert {k: v for k, v in again.items() if k != "meta"} == {k: v for k, v in d.items() if k != "meta"}
+
+
+def test_cli_eval_asks_a_baseline_in_chat_without_an_operator(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ALOE_CACHE", str(tmp_path / "cache"))
+    model_dir, edits, _ = _saved(tiny, tmp_path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(model_dir)
+    base = ["eval", "--model", str(model_dir), "--edits", str(edits), "--limit", "2", "--no-plots", "--quiet"]
+    base += ["--layer", str(LAYER), "--grace-iters", "5"]
+    assert main(base + ["--chat", "only", "--out", str(tmp_path / "none")]) == 2
+    assert "--chat needs --operator or a --baseline" in capsys.readouterr().err
+    out = tmp_path / "grace"
+    assert main(base + ["--baseline", "grace", "--chat", "also", "--out", str(out)]) == 0
+    chat = json.loads((out / "chat_grace.json").read_text())
+    assert chat["meta"]["editor"] == "GRACE (reimplementation)"
+    assert 0.0 <= chat["default_system"]["efficacy"] <= 1.0 and not (out / "chat.json").exists()
+    report = json.loads((out / "eval_report.json").read_text())
+    # the editor asked in chat is the one scored on the stream: fitted once, its fitting time recorded
+    grace = report["editors"]["GRACE (reimplementation)"]
+    assert grace["info"]["timings"]["fit_s"] > 0
