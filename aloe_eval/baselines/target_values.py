@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 from pathlib import Path
 from typing import Sequence
@@ -94,6 +95,14 @@ def _batch(tokenizer, prompt: str, subject: str, target: str, prefixes: Sequence
     )
 
 
+def _logits_at(model: nn.Module, columns: list[int], device) -> tuple[dict, dict[int, int]]:
+    """The forward keyword that limits the logits to ``columns`` where the model takes one
+    (``logits_to_keep``), and where each column's logits then are."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return {"logits_to_keep": torch.tensor(columns, device=device)}, {c: i for i, c in enumerate(columns)}
+    return {}, {c: c for c in columns}
+
+
 def optimize_value(
     model: nn.Module,
     tokenizer,
@@ -129,8 +138,12 @@ def optimize_value(
     model.requires_grad_(False)  # only delta learns; the weights get no gradients
     try:
         kl_at = int(b.at[-1])  # the KL prompt's subject token, where ROME compares the distributions
+        # only the columns the loss reads go through the output head (the rows are right-aligned, so
+        # the target columns are shared); col maps a column of the sequence to one of the logits
+        keep = sorted({c for cols in b.target_cols for c in cols} | {kl_at})
+        extra, col = _logits_at(model, keep, device)
         with torch.no_grad():
-            unedited = F.log_softmax(model(**b.inputs).logits[-1, kl_at].float(), -1)
+            unedited = F.log_softmax(model(**b.inputs, **extra).logits[-1, col[kl_at]].float(), -1)
         # the clamp's and the decay's scale: the unedited state on the first prompt
         h_norm = (box["h"][0] if settings.norm_of == "mlp" else box["residual"]).float().norm()
         delta = torch.zeros(site.d_out, device=device, requires_grad=True)
@@ -140,9 +153,11 @@ def optimize_value(
         # as EasyEdit's compute_v: ``steps`` scored passes, an update after each but the last, an early
         # stop once the loss is below EARLY_STOP_LOSS; the last pass scored the delta returned
         for step in range(settings.steps):
-            logp = F.log_softmax(model(**b.inputs).logits.float(), -1)
-            nll = torch.stack([-logp[r, cols, b.target_ids].mean() for r, cols in enumerate(b.target_cols)]).mean()
-            kl = F.kl_div(unedited, logp[-1, kl_at], log_target=True, reduction="sum")  # KL(edited || unedited)
+            logp = F.log_softmax(model(**b.inputs, **extra).logits.float(), -1)
+            nll = torch.stack(
+                [-logp[r, [col[c] for c in cols], b.target_ids].mean() for r, cols in enumerate(b.target_cols)]
+            ).mean()
+            kl = F.kl_div(unedited, logp[-1, col[kl_at]], log_target=True, reduction="sum")  # KL(edited || unedited)
             loss = nll + settings.kl_weight * kl + settings.weight_decay * delta.norm() / h_norm**2
             if step == 0:
                 log.update(nll_first=float(nll.detach()), kl_first=float(kl.detach()))
