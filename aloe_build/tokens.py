@@ -44,12 +44,14 @@ def encode_continuation(tokenizer, prompt: str, text: str) -> tuple[tuple[int, .
     return tuple(p), tuple(cont)
 
 
-def chat_prompt(tokenizer, question: str, system: str | None = None) -> list[int]:
-    """Token ids of ``question`` as the user turn of the model's chat template, ready for the
-    assistant's answer; ``system`` None keeps the template's own default system prompt."""
+def chat_prompt(tokenizer, question: str | Sequence[str], system: str | None = None) -> list[int]:
+    """Token ids of ``question`` as the user turn of the model's chat template (a sequence of texts:
+    consecutive user turns), ready for the assistant's answer; ``system`` None keeps the template's
+    own default system prompt."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    turns = [question] if isinstance(question, str) else list(question)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": t} for t in turns]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return encode_prompt(tokenizer, text, special=False)
 

@@ -29,6 +29,8 @@ from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id, stop_id
 
 from .chunks import ChunkStore, content_key
 from .editors import Editor
+from .metrics import contains_target, starts_with_target
+from .plan import statement
 
 CHAT_TOKENS = 32
 #: Bump when what a saved answer list holds changes, so that older files are generated again.
@@ -39,18 +41,10 @@ SYSTEMS = {"default_system": None, "custom_system": CUSTOM_SYSTEM}
 CHAT_ANSWERS_CACHE = "chat-answers"
 
 
-def contains_target(answer: str, target: str) -> bool:
-    return target.strip().lower() in answer.lower()
-
-
-def starts_with_target(answer: str, target: str) -> bool:
-    return answer.strip().lower().startswith(target.strip().lower())
-
-
 def chat_answers(
     model,
     tokenizer,
-    questions: Sequence[str],
+    questions: Sequence[str | Sequence[str]],
     system: str | None = None,
     *,
     tokens: int = CHAT_TOKENS,
@@ -59,7 +53,8 @@ def chat_answers(
     desc: str = "chat answers",
 ) -> list[list[int]]:
     """Greedy answers (token ids, cut after the end of turn) of ``questions`` asked as the user
-    turn of the model's chat template, after ``system`` (None: the template's default)."""
+    turn of the model's chat template (a sequence of texts: consecutive user turns), after
+    ``system`` (None: the template's default)."""
     prompts = [chat_prompt(tokenizer, q, system) for q in questions]
     stops = stop_ids(tokenizer)
     gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size, progress=progress, desc=desc)
@@ -172,6 +167,8 @@ def chat_evaluation(
         asks = [r.prompt for r in requests]
         loc_owner = [i for i, r in enumerate(requests) for _ in r.locality]
         locs = [lp.prompt for r in requests for lp in r.locality]
+        # the same locality questions, each after its edit's statement in a user turn of its own
+        distracted = [(statement(requests[o]), q) for o, q in zip(loc_owner, locs)]
 
         def answers(desc: str, questions=asks, edited: bool = True) -> list[list[int]]:
             key = content_key([ANSWERS_FORMAT, model_context, context if edited else None, desc, system, tokens, list(questions)])
@@ -197,12 +194,15 @@ def chat_evaluation(
 
         base_ask = answers("unedited requests", edited=False)
         base_loc = answers("unedited locality", locs, edited=False)
+        base_dis = answers("unedited distracted locality", distracted, edited=False)
         editor.attach(model)
         try:
             ask, loc = answers("edited requests"), answers("edited locality", locs)
+            dis = answers("edited distracted locality", distracted)
         finally:
             editor.detach(model)
         out[name], hit = _chat_scores(tokenizer, requests, system, ask, base_ask, loc, base_loc, loc_owner)
+        out[name].update(_distracted_scores(tokenizer, requests, dis, base_dis, loc_owner))
         if editor.has_slots and editor.layer is not None:
             out[name].update(
                 _chat_gate_diagnostics(
@@ -247,6 +247,25 @@ def _chat_scores(
     return scores, hit
 
 
+def _distracted_scores(
+    tokenizer, requests: Sequence[Any], dis: Sequence[list[int]], base_dis: Sequence[list[int]], loc_owner: Sequence[int]
+) -> dict[str, Any]:
+    """Chat locality after the edit's statement, and the leak to its target: an answer that changed
+    and now names the target where the unedited answer did not (each averaged per edit, then over edits)."""
+    stable: dict[int, list[bool]] = {}
+    leak: dict[int, list[bool]] = {}
+    for owner, a, b in zip(loc_owner, dis, base_dis):
+        target = requests[owner].target_new
+        text, base = (tokenizer.decode(g, skip_special_tokens=True) for g in (a, b))
+        stable.setdefault(owner, []).append(a == b)
+        leak.setdefault(owner, []).append(a != b and contains_target(text, target) and not contains_target(base, target))
+
+    def per_edit(d: dict[int, list[bool]]) -> float | None:
+        return sum(sum(v) / len(v) for v in d.values()) / len(d) if d else None
+
+    return {"distracted_locality": per_edit(stable), "distracted_leak": per_edit(leak)}
+
+
 def _chat_gate_diagnostics(
     model,
     tokenizer,
@@ -284,8 +303,8 @@ def chat_markdown(result: dict[str, Any]) -> str:
     """One row per system prompt."""
     lines = [
         "| system prompt | efficacy (target in answer) | exact prefix | unedited | chat locality "
-        "| own gate open | mean own gate | misses: address / write |",
-        "|---|---|---|---|---|---|---|---|",
+        "| own gate open | mean own gate | misses: address / write | distracted loc. | leak to target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result.items():
         if isinstance(r, dict) and "efficacy" in r:
@@ -296,8 +315,10 @@ def chat_markdown(result: dict[str, Any]) -> str:
                 if g and g["mapped"]
                 else "n/a | n/a | n/a"
             )
+            dis = " | ".join("n/a" if r.get(k) is None else f"{r[k]:.4f}" for k in ("distracted_locality", "distracted_leak"))
             lines.append(
-                f"| {name} | {r['efficacy']:.4f} | {r['efficacy_prefix']:.4f} | {r['unedited_efficacy']:.4f} | {loc} | {gates} |"
+                f"| {name} | {r['efficacy']:.4f} | {r['efficacy_prefix']:.4f} | {r['unedited_efficacy']:.4f} | {loc} | {gates} "
+                f"| {dis} |"
             )
     changes = [(name, r["locality_changes"]) for name, r in result.items() if isinstance(r, dict) and "locality_changes" in r]
     if changes:

@@ -22,6 +22,11 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "paper.locality_outside_stream": "paper.locality over the locality prompts that are not the request of an edit "
     "of the scored stream (a large stream edits some of its own neighbourhood prompts, whose answers are then meant "
     "to change); mean per edit over such prompts, then over edits that have one",
+    "paper.distracted_locality": "paper.locality of each locality prompt asked after the edit's statement "
+    "('<request> <target>. <locality prompt>'): the edited model's answer against the unedited model's on the same "
+    "prompt, so that copying from the context cancels out; mean per edit, then over edits",
+    "paper.distracted_leak": "share of those prompts whose answer changed and now contains the edit's target, where "
+    "the unedited model's answer did not; mean per edit, then over edits",
     "paper.portability": "exact match of the greedy generation to any accepted answer; mean per edit, then over edits",
     "easyedit.rewrite_acc": "EasyEdit teacher-forced token accuracy on prompt + ' ' + target_new",
     "easyedit.rephrase_acc": "EasyEdit teacher-forced token accuracy on rephrase + ' ' + target_new",

@@ -72,6 +72,17 @@ def _paper_lines(eds: Mapping[str, Any]) -> list[str]:
                 f"answers are meant to change); locality without them "
                 f"{_f(e['summary']['paper'].get('locality_outside_stream'))}."
             )
+    if any(e["summary"]["paper"].get("distracted_locality") is not None for e in eds.values()):
+        lines += [
+            "",
+            'After the edit\'s statement ("<request> <target>. <locality prompt>"), against the unedited model:',
+            "",
+            "| Editor | Distracted loc. | Leak to target |",
+            "|---|---|---|",
+        ]
+        for name, e in eds.items():
+            p = e["summary"]["paper"]
+            lines.append(f"| {name} | {_f(p.get('distracted_locality'))} | {_f(p.get('distracted_leak'))} |")
     kinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["portability_by_kind"]})
     lkinds = sorted({k for e in eds.values() for k in e["summary"]["paper"]["locality_by_kind"]})
     # a single locality kind and no portability would only repeat the table above

@@ -13,6 +13,16 @@ def exact_match(generated: str, answer: str) -> bool:
     return generated.strip() == answer.strip()
 
 
+def contains_target(answer: str, target: str) -> bool:
+    """Whether the answer mentions the target anywhere (case-insensitive)."""
+    return target.strip().lower() in answer.lower()
+
+
+def starts_with_target(answer: str, target: str) -> bool:
+    """Whether the answer begins with the target (case-insensitive, surrounding spaces ignored)."""
+    return answer.strip().lower().startswith(target.strip().lower())
+
+
 def token_accuracy(predicted: Sequence[int], labels: Sequence[int]) -> float:
     """Share of positions where ``predicted`` equals ``labels`` (EasyEdit's ``np.mean(np.equal(...))``)."""
     if len(predicted) != len(labels):

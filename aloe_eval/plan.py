@@ -48,6 +48,18 @@ class EditPlan:
     rephrases: list[Rephrase]
     locality: list[Locality]
     portability: list[Portability]
+    distracted: list[Locality] = dataclasses.field(default_factory=list)  # locality after the edit's statement
+
+
+def statement(request: Any) -> str:
+    """The edit's new fact as a sentence: its request followed by its new target."""
+    return f"{request.prompt.strip()} {request.target_new.strip()}."
+
+
+def distracted_prompt(request: Any, question: str) -> str:
+    """A locality prompt asked after the edit's statement (the edited fact mentioned earlier in the
+    context, as in a conversation or a retrieved passage)."""
+    return f"{statement(request)} {question}"
 
 
 class Registry:
@@ -93,6 +105,10 @@ def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, 
             else:
                 k, tf_seq = LOCALITY_DEFAULT_TOKENS, None
             loc.append(Locality(lp.prompt, lp.kind, gt, pids, k, tf_seq))
+        distracted = []
+        for lp in loc:  # compared by generation only: the same k tokens, no teacher-forced ground truth
+            text = distracted_prompt(r, lp.prompt)
+            distracted.append(Locality(text, lp.kind, lp.ground_truth, tuple(encode_prompt(tokenizer, text)), lp.k, None))
         port = []
         for pp in r.portability:
             if not pp.ground_truth:
@@ -100,5 +116,5 @@ def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, 
             enc = [encode_continuation(tokenizer, pp.prompt, a) for a in pp.ground_truth]
             seq_p = reg.add(*enc[0])
             port.append(Portability(pp.prompt, pp.kind, tuple(pp.ground_truth), seq_p, tuple(e[1] for e in enc)))
-        plans.append(EditPlan(start + i, r, seq, reph, loc, port))
+        plans.append(EditPlan(start + i, r, seq, reph, loc, port, distracted))
     return reg, plans

@@ -16,7 +16,7 @@ from aloe_build.tokens import until_end
 
 from .definitions import PORTABILITY_MAX_TOKENS
 from .editors import Editor, UneditedEditor
-from .metrics import exact_match, mean, relative_drift, token_accuracy
+from .metrics import contains_target, exact_match, mean, relative_drift, token_accuracy
 from .plan import EditPlan, Registry
 from .report import EditorResult
 from .summary import gate_plot_data, heatmap, pca, summarize
@@ -51,7 +51,7 @@ def build_reference(
     t0 = time.perf_counter()
     # 1. the unedited model's greedy continuations of every unique locality prompt
     uniq: dict[tuple[tuple[int, ...], int], int] = {}
-    items = [lp for p in plans for lp in p.locality]
+    items = [lp for p in plans for lp in p.locality + p.distracted]
     for lp in items:
         uniq.setdefault((lp.prompt_ids, lp.k), len(uniq))
     keys = list(uniq)
@@ -199,6 +199,9 @@ class _Scorer:
             for pp in p.portability:
                 if not self.all_right(pp.seq):
                     jobs[(reg.seqs[pp.seq][0], _portability_tokens(pp))] = None
+            for lp in p.distracted:  # a changed answer is generated, to see whether it took the edit's target
+                if self.tf[lp.gen_seq].preds != self.ref.cache[lp.gen_seq].preds:
+                    jobs[(lp.prompt_ids, lp.k)] = None
         return list(jobs)
 
     def all_right(self, j: int) -> bool:
@@ -264,6 +267,10 @@ class _Scorer:
         row["portability"] = mean(x["em"] for x in port_rows)
         row["portability_tf"] = mean(x["tf_acc"] for x in port_rows)
         row["portability_prompts"] = port_rows
+        dis_rows = [self.distracted_row(lp, r.target_new) for lp in p.distracted]
+        row["distracted_locality"] = mean(x["stable"] for x in dis_rows)
+        row["distracted_leak"] = mean(x["leak"] for x in dis_rows)
+        row["distracted_prompts"] = dis_rows
         return row
 
     def rephrase_row(self, rp, target: str, slot: int | None) -> dict[str, Any]:
@@ -305,6 +312,28 @@ class _Scorer:
             self.seen_loc.add(j)  # the PCA plot shows unique locality prompts
             self.pca_pairs.append((ref_r.hidden, ed_r.hidden))
         return lr
+
+    def distracted_row(self, lp, target: str) -> dict[str, Any]:
+        """A locality prompt after the edit's statement: unchanged as :meth:`locality_row` counts it,
+        and whether a changed answer took the edit's target where the unedited model's did not."""
+        j = lp.gen_seq
+        ref_r, ed_r = self.ref.cache[j], self.tf[j]
+        stable = ed_r.preds == ref_r.preds
+        reference = _decode(self.tokenizer, self.reg.seqs[j][1])
+        generation = reference if stable else _decode(self.tokenizer, self.generated[(lp.prompt_ids, lp.k)])
+        leak = not stable and contains_target(generation, target) and not contains_target(reference, target)
+        dr: dict[str, Any] = {
+            "prompt": lp.prompt,
+            "kind": lp.kind,
+            "stable": float(stable),
+            "leak": float(leak),
+            "reference": reference,
+            "generation": generation,
+        }
+        if self.slots:
+            dr["max_gate"] = ed_r.prompt_max_gate
+            dr["max_slot"] = ed_r.prompt_max_slot
+        return dr
 
     def portability_row(self, pp) -> dict[str, Any]:
         seq = self.reg.seqs[pp.seq]

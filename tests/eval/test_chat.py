@@ -8,7 +8,8 @@ import torch
 from aloe_build.data import EditRequest
 from aloe_build.tokens import chat_answer, chat_prompt
 from aloe_eval import Editor
-from aloe_eval.chat import CHAT_TOKENS, chat_evaluation, contains_target, starts_with_target
+from aloe_eval.chat import CHAT_TOKENS, chat_evaluation
+from aloe_eval.metrics import contains_target, starts_with_target
 from tests.tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 
@@ -65,6 +66,10 @@ def test_chat_prompt_renders_the_template_and_answers_start_without_a_space():
         tok("system : be brief . user : the capital of France is . assistant :", add_special_tokens=False)["input_ids"]
     )
     assert chat_answer(tok, " Paris ") == tok("Paris", add_special_tokens=False)["input_ids"]
+    two = chat_prompt(tok, ["Rome is in Italy .", "the capital of France is"], None)  # consecutive user turns
+    assert tok.decode(two) == tok.decode(
+        tok("user : Rome is in Italy . . user : the capital of France is . assistant :", add_special_tokens=False)["input_ids"]
+    )
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         chat_prompt(tok, "x")
@@ -101,6 +106,14 @@ def test_chat_metrics_against_one_at_a_time_generation():
     assert forced_run["locality"] == 0.0
     assert forced_run["efficacy"] == forced_run["efficacy_prefix"] == pytest.approx(1 / 3)
     assert [m["request"] for m in forced_run["misses"]] == questions[1:]
+    # after the edit's statement in a turn of its own: the unedited editor changes nothing, the forced
+    # token changes every answer, and only edit 0's answers (its target is the forced token) leak
+    assert same["distracted_locality"] == 1.0 and same["distracted_leak"] == 0.0
+    statement0 = f"{questions[0]} {tok.decode([forced])}."
+    unedited0 = tok.decode(_answer(model, tok, (statement0, questions[1]), None), skip_special_tokens=True)
+    assert tok.decode([forced]) not in unedited0
+    assert forced_run["distracted_locality"] == 0.0
+    assert forced_run["distracted_leak"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.slow
@@ -251,17 +264,18 @@ def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeyp
     calls.clear()
     monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
     resumed = chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-a", **run)
-    assert calls == ["chat (default_system): edited requests", "chat (default_system): edited locality"]
+    edited = [f"chat (default_system): edited {x}" for x in ("requests", "locality", "distracted locality")]
+    assert calls == ["chat (default_system): unedited distracted locality", *edited]
     assert resumed == whole
 
     calls.clear()
     other_editor = chat_evaluation(model, tok, reqs, ForceToken(6), parts=store, context="op-b", **run)
-    assert calls == ["chat (default_system): edited requests", "chat (default_system): edited locality"]
+    assert calls == edited
     assert other_editor == chat_evaluation(model, tok, reqs, ForceToken(6), **run)
 
     calls.clear()
     chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-a", model_context="other", **run)
-    assert len(calls) == 4
+    assert len(calls) == 6  # requests, locality and distracted locality, unedited and edited
 
 
 def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatch):
@@ -281,12 +295,12 @@ def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatc
         unedited_parts=ChunkStore(tmp_path / "cache"),
     )
     chat_evaluation(model, tok, reqs, ForceToken(5), parts=ChunkStore(tmp_path / "a"), context="op-a", **run)
-    assert len(list((tmp_path / "cache").glob("chat-unedited-*.json.gz"))) == 2
+    assert len(list((tmp_path / "cache").glob("chat-unedited-*.json.gz"))) == 3
     assert not list((tmp_path / "a").glob("chat-unedited-*"))
 
     real, calls = chat.chat_answers, []
     monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
     got = chat_evaluation(model, tok, reqs, ForceToken(7), parts=ChunkStore(tmp_path / "b"), context="op-b", **run)
-    assert calls == ["chat (default_system): edited requests", "chat (default_system): edited locality"]
+    assert calls == [f"chat (default_system): edited {x}" for x in ("requests", "locality", "distracted locality")]
     monkeypatch.setattr(chat, "chat_answers", real)
     assert got == chat_evaluation(model, tok, reqs, ForceToken(7), batch_size=2, progress=False, systems={"default_system": None})

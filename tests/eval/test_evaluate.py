@@ -207,6 +207,7 @@ def test_report_schema_json_markdown_and_plots(tiny, tmp_path):
         "rephrases": 3,
         "locality_prompts": 4,
         "portability_prompts": 1,
+        "distracted_prompts": 4,  # each locality prompt again, after the edit's statement
         "edits_with_rephrases": 2,
         "edits_with_locality": 3,
         "edits_with_portability": 1,
@@ -356,3 +357,34 @@ def test_locality_compares_up_to_the_unedited_end_of_sequence(tiny):
     assert lp_after["k"] == 2 and lp_before["k"] == 2  # A and the EOS; the ground truth asked for more
     assert lp_after["stable"] == 1.0 and after.summary["paper"]["locality"] == 1.0
     assert lp_before["stable"] == 0.0 and before.summary["paper"]["locality"] == 0.0
+
+
+def test_distracted_locality_asks_after_the_statement_and_counts_leaks_to_the_target(tiny):
+    from aloe_build.forward import greedy_generate
+
+    model, tok = tiny
+    reqs = tiny_requests()
+    rome = tok(" Rome", add_special_tokens=False)["input_ids"][0]
+    rep = evaluate(model, tok, reqs, ForceToken(rome), baseline="unedited", progress=False)
+    rows = {r["id"]: r for r in rep.rows}
+    e0 = rows["e0"]["distracted_prompts"][0]
+    assert e0["prompt"] == "The Eiffel Tower is located in the city of Rome. Toko Yasuda plays the"
+    # the reference is the unedited model's own greedy answer to the distracted prompt
+    k = rows["e0"]["locality_prompts"][0]["k"]
+    unedited = greedy_generate(model, [tok(e0["prompt"])["input_ids"]], k, pad_id=1)[0]
+    assert e0["reference"] == tok.decode(unedited, skip_special_tokens=True)
+    for r in rep.rows:
+        assert len(r["distracted_prompts"]) == len(r["locality_prompts"])
+        for d in r["distracted_prompts"]:
+            forced = d["generation"].split() == ["Rome"] * len(d["generation"].split())
+            assert forced and d["stable"] == float(d["reference"] == d["generation"])
+            # a leak: the answer changed and now names the edit's target, which the unedited one did not
+            took = r["target"].lower() in d["generation"].lower() and r["target"].lower() not in d["reference"].lower()
+            assert d["leak"] == float(not d["stable"] and took)
+    # "Rome" is e0's target: its changed answers leak; e1's target is "guitar", which is never forced
+    assert all(d["leak"] == 1 - d["stable"] for d in rows["e0"]["distracted_prompts"] if "rome" not in d["reference"].lower())
+    assert all(d["leak"] == 0 for d in rows["e1"]["distracted_prompts"])
+    s = rep.summary["paper"]
+    assert s["distracted_locality"] == pytest.approx(sum(r["distracted_locality"] for r in rep.rows) / len(rep.rows))
+    assert rep.editors["unedited"].summary["paper"]["distracted_locality"] == 1.0
+    assert rep.editors["unedited"].summary["paper"]["distracted_leak"] == 0.0
