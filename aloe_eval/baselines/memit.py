@@ -34,8 +34,8 @@ Update = Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class MemitSettings:
-    """MEMIT's hyperparameters (defaults: the AlphaEdit paper's Llama-3-8B run, layers 4-8 of 32,
-    which on SmolLM2's 30 layers are the same early-middle layers)."""
+    """MEMIT's hyperparameters (defaults: EasyEdit's and the AlphaEdit paper's Llama runs, layers 4-8
+    of 32, which on SmolLM2's 30 layers are the same early-middle layers)."""
 
     layers: tuple[int, ...] = (4, 5, 6, 7, 8)
     covariance_weight: float = 15000.0  # lambda
