@@ -176,7 +176,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if not chatted:
             return _fail("--chat needs --operator or a --baseline other than unedited")
         for e in chatted:
-            _chat(model, tokenizer, requests, e, args, meta, out)
+            _chat(model, tokenizer, requests, e, layer, args, meta, out)
         if args.chat == "only":
             ChunkStore(out / PARTS_DIR).clear()  # the chat files hold every answer saved there
             return 0
@@ -201,16 +201,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chat(model, tokenizer, requests, editor: Editor, args: argparse.Namespace, meta: dict, out: Path) -> None:
-    """The chat-form evaluation (:mod:`aloe_eval.chat`) of one editor: the operator's into
+def _chat(model, tokenizer, requests, editor: Editor, layer: int, args: argparse.Namespace, meta: dict, out: Path) -> None:
+    """The chat-form evaluation (:mod:`aloe_eval.chat`) of one editor (``layer``: the evaluation's edited
+    layer, which keys the unedited model's answers): the operator's into
     ``out/chat.json`` and ``out/chat.md``, a baseline's into ``out/chat_<kind>.json`` and ``.md``."""
     systems = {**SYSTEMS, **{f"system_{k + 1}": text for k, text in enumerate(args.chat_system or [])}}
     # the answers are saved under OUT/parts as they come, so an interrupted run resumes there; the
     # unedited model's answers go to a cache that every evaluation of the same model reads
     param = next(model.parameters())
     model_context = {
-        "weight": weight_fingerprint(locate_down_proj(model, edited_layer(model, editor, args.layer)).weight()),
-        "layer": edited_layer(model, editor, args.layer),
+        # the evaluation's layer, whichever layers the editor changes: the unedited answers are shared
+        "weight": weight_fingerprint(locate_down_proj(model, layer).weight()),
+        "layer": layer,
         "dtype": str(param.dtype),
         "device": param.device.type,
         "template": chat_template_key(tokenizer),
