@@ -30,6 +30,15 @@ def _saved(tiny, tmp_path):
     return model_dir, edits, gate_operator(model, tok, reqs, open_=True).save(tmp_path / "op")
 
 
+def _give_chat_template(model_dir) -> None:
+    """Save the tiny chat template with the saved tokenizer (the tiny tokenizer has none)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(model_dir)
+
+
 def test_cli_end_to_end_with_saved_operator_and_grace(tiny, tmp_path):
     model_dir, edits, op_dir = _saved(tiny, tmp_path)
     out = tmp_path / "eval"
@@ -142,11 +151,7 @@ def test_cli_build_refuses_a_missing_device_with_a_message(tmp_path, capsys):
 def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ALOE_CACHE", str(tmp_path / "cache"))
     model_dir, edits, op_dir = _saved(tiny, tmp_path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.chat_template = TINY_CHAT_TEMPLATE
-    tok.save_pretrained(model_dir)
+    _give_chat_template(model_dir)
     base = [
         "eval",
         "--model",
@@ -188,11 +193,7 @@ def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path,
 def test_cli_eval_asks_a_baseline_in_chat_without_an_operator(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ALOE_CACHE", str(tmp_path / "cache"))
     model_dir, edits, _ = _saved(tiny, tmp_path)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.chat_template = TINY_CHAT_TEMPLATE
-    tok.save_pretrained(model_dir)
+    _give_chat_template(model_dir)
     base = ["eval", "--model", str(model_dir), "--edits", str(edits), "--limit", "2", "--no-plots", "--quiet"]
     base += ["--layer", str(LAYER), "--grace-iters", "5"]
     assert main(base + ["--chat", "only", "--out", str(tmp_path / "none")]) == 2
