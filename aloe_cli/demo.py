@@ -53,8 +53,8 @@ def run_demo(
 ) -> dict:
     """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
-    from aloe_eval.chat import contains_target
     from aloe_eval.in_context import in_context
+    from aloe_eval.metrics import contains_target
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
     config = BuildConfig.preset("demo")  # the settings and their reasons: aloe_build/presets.py
