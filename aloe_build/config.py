@@ -4,7 +4,7 @@
 edits asked through a chat template, and :class:`ExperimentalConfig` (``BuildConfig.experimental``)
 the measured experiments that are off by default; setting one of those warns. Each field carries
 its ``stage`` (0: every stage) and a ``help`` text in its metadata: ``aloe build --help`` and
-docs/options.md are generated from them (``python -m aloe_cli.options_doc``).
+docs/options.md are generated from them (``python -m aloe_cli.settings_doc``).
 
 Keys are flat: ``BuildConfig(positives_chat=True)``, ``--set positives_chat=true`` and
 :meth:`BuildConfig.to_dict` name every field by its own name, whichever group holds it. A stage's
@@ -14,6 +14,7 @@ stage's setting keeps the earlier checkpoints.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import warnings
@@ -34,9 +35,15 @@ STAGES = {
 }
 
 
-def _at(stage: int, default: Any, help: str) -> Any:
-    """A field of ``stage`` (0: every stage) with ``default`` and its ``help`` text."""
-    return dataclasses.field(default=default, metadata={"stage": stage, "help": help})
+#: ``_at(..., before=...)`` of a setting that every build had from the start.
+_ALWAYS = object()
+
+
+def _at(stage: int, default: Any, help: str, before: Any = _ALWAYS) -> Any:
+    """A field of ``stage`` (0: every stage) with ``default`` and its ``help`` text. ``before``: for a
+    setting added after checkpoints were written, the value that builds the way builds did before it;
+    at that value it stays out of the checkpoint keys, so that those checkpoints stay valid."""
+    return dataclasses.field(default=default, metadata={"stage": stage, "help": help, "before": before})
 
 
 def changed_fields(group: Any) -> list[str]:
@@ -49,13 +56,14 @@ class ChatConfig:
     """Edits that fire when the model is asked through its chat template (``BuildConfig.chat``).
     Every field but ``positives_chat`` only matters when it is on."""
 
-    positives_chat: bool = _at(
+    positives_chat: bool | None = _at(
         3,
-        False,
+        None,
         (
             "The request as the user turn of the model's chat template (its default system prompt), the "
             "target as the start of the answer: required anchors along the target and training sequences of "
-            "the writes, so that an edit fires as a served chat model is asked."
+            "the writes, so that an edit fires as a served chat model is asked. None ('auto'): on when the "
+            "tokenizer has a chat template, off for a base model."
         ),
     )
     negatives_chat_pool: int = _at(
@@ -82,6 +90,16 @@ class ChatConfig:
             "More system prompts to build under (a deployment's own): each request is also asked after each "
             "of them, and the chat pool's records are shared out among the default and these prompts."
         ),
+    )
+    positives_chat_generic_systems: int = _at(
+        3,
+        6,
+        (
+            "Each request is also asked after this many of the generic system prompts "
+            "(aloe_build.system_prompts), a different draw per edit: required anchors at the assistant "
+            "header, so that an edit fires after a deployment's system prompt the build never saw."
+        ),
+        before=0,
     )
     negatives_chat_answer_tokens: int = _at(
         3,
@@ -132,8 +150,17 @@ class ChatConfig:
         self.chat_systems = tuple(self.chat_systems)
         if not all(isinstance(t, str) and t.strip() for t in self.chat_systems):
             raise ValueError("BuildConfig: chat_systems must be non-empty strings")
-        if self.chat_slots and not self.positives_chat:
+        if self.positives_chat == "auto":
+            self.positives_chat = None
+        if self.positives_chat not in (None, True, False):
+            raise ValueError(f"BuildConfig: positives_chat must be true, false or auto, got {self.positives_chat!r}")
+        if self.chat_slots and self.positives_chat is False:
             raise ValueError("BuildConfig: chat_slots needs positives_chat (the chat forms are its anchors)")
+        if not 0 <= self.positives_chat_generic_systems <= len(GENERIC_SYSTEM_PROMPTS):
+            raise ValueError(
+                f"BuildConfig: positives_chat_generic_systems must be between 0 and "
+                f"{len(GENERIC_SYSTEM_PROMPTS)} (the generic system prompts there are)"
+            )
         if not 0 <= self.negatives_chat_systems <= len(GENERIC_SYSTEM_PROMPTS):
             raise ValueError(
                 f"BuildConfig: negatives_chat_systems must be between 0 and "
@@ -146,6 +173,18 @@ class ExperimentalConfig:
     """Measured experiments, off by default (``BuildConfig.experimental``); setting one warns.
     Their measured effects are in docs/experiments.md."""
 
+    finetune_keep_after_statement: int = _at(
+        8,
+        0,
+        (
+            "Questions asked after each edit's statement ('<request> <target>.'), plainly and with chat "
+            "positives as a second user turn, whose unedited answers the fine-tuning keeps: the write "
+            "fired on the statement must not change what the model says next (aloe_build.statement_keeps). "
+            "On 100 zsRE edits it lowered the chat leak to target (0.04 -> 0.01) but changed more answers "
+            "(0.83 -> 0.74) and cost efficacy (1.00 -> 0.97)."
+        ),
+        before=0,
+    )
     encoder_batch_negatives: bool = _at(
         1,
         False,
@@ -393,8 +432,24 @@ class BuildConfig:
                 stacklevel=4,
             )
         unused = [name for name in changed_fields(self.chat) if name != "positives_chat"]
-        if unused and not self.chat.positives_chat:
+        if unused and self.chat.positives_chat is False:
             warnings.warn(f"BuildConfig: {unused} have no effect without positives_chat", stacklevel=4)
+
+    def for_tokenizer(self, tokenizer) -> "BuildConfig":
+        """These settings with ``positives_chat`` decided: left as given when set, else on exactly
+        when ``tokenizer`` has a chat template (a chat model is served through it). A build records
+        the decided value, so an append keeps it."""
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        chat = self.chat.positives_chat
+        if chat is None:
+            chat = has_template
+        if chat and not has_template:
+            raise ValueError("BuildConfig: positives_chat is on but the tokenizer has no chat template")
+        if self.chat.chat_slots and not chat:
+            raise ValueError("BuildConfig: chat_slots needs positives_chat, and the tokenizer has no chat template")
+        decided = copy.deepcopy(self)  # not replace(): the settings were checked, warn only once
+        decided.chat.positives_chat = chat
+        return decided
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "BuildConfig":
@@ -415,7 +470,11 @@ class BuildConfig:
         """The fields that stages 1..stage depend on (a checkpoint of that stage stays valid
         when only later fields change)."""
         values = self.to_dict()
-        return {f.name: values[f.name] for f in self.field_specs() if f.metadata["stage"] <= stage}
+        return {
+            f.name: values[f.name]
+            for f in self.field_specs()
+            if f.metadata["stage"] <= stage and values[f.name] != f.metadata["before"]
+        }
 
     def fields_of(self, stage: int) -> dict[str, Any]:
         """The fields of one stage only (not those every stage depends on)."""

@@ -45,6 +45,7 @@ from .stages.s3_rollouts import TokenSequences, rollouts, token_sequences
 from .stages.s6_targets import write_targets
 from .stages.s7_ridge import NegativeGateTally, gates_of, ridge_writes
 from .stages.s8_finetune import finetune_writes, produced_rows
+from .statement_keeps import statement_keeps
 from .states import max_context
 from .tokens import encode_continuation
 
@@ -174,6 +175,7 @@ class _Build:
         log: Callable[[str], None] | None,
         base: AppendBase | None = None,
     ):
+        cfg = cfg.for_tokenizer(tokenizer)
         self.model, self.tokenizer, self.requests, self.cfg, self.base = model, tokenizer, requests, cfg, base
         self.say = log or (lambda _msg: None)
         self.layer = cfg.layer if cfg.layer is not None else default_layer(model)
@@ -223,6 +225,7 @@ class _Build:
         cfg, model, tokenizer = self.cfg, self.model, self.tokenizer
         # (1) encoder + the corpus that also supplies negatives
         corpus, corpus_path = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
+        self.corpus = corpus
         clock = StageClock()
         enc_dir = encoder_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
         enc, enc_metrics, reused = _encoder(model, tokenizer, self.layer, enc_dir, corpus, cfg)
@@ -435,12 +438,24 @@ class _Build:
         all_prompts = seqs.prompts + seqs.extra_prompts
         target_lens = [min(len(seqs.target(j)), cfg.max_target_tokens) for j in train_seqs]
         tseqs = [all_prompts[j] + seqs.target(j)[: cfg.max_target_tokens] for j in train_seqs]
-        # one pass up to the edited layer, shared by stages 6 and 8 when both run
+        # one pass up to the edited layer, shared by stages 6 and 8 when both run; stage 8 also keeps
+        # the answers after each edit's statement (sequences after the training ones, no target of their own)
         shared: list[EditedForward] = []
 
         def forward() -> EditedForward:
             if not shared:
-                shared.append(edited_forward(self.model, self.tokenizer, tseqs, target_lens, train_owner, gated, cfg))
+                keeps = statement_keeps(self.model, self.tokenizer, self.slots, self.corpus, self.layer, cfg)
+                shared.append(
+                    edited_forward(
+                        self.model,
+                        self.tokenizer,
+                        tseqs + keeps.seqs,
+                        target_lens + keeps.answer_lens,
+                        train_owner + keeps.owners,
+                        gated,
+                        cfg,
+                    )
+                )
             return shared[0]
 
         # what each slot's write target is fitted on: its request (row i), and with target_chat_forms its chat
@@ -472,7 +487,10 @@ class _Build:
             U, losses = finetune_writes(fwd, U0, cfg)
             # requests only (sequence i < n is slot i's request), with every slot's write in place
             made = produced_rows(fwd, U, range(n), cfg.finetune_batch)
+            kept = produced_rows(fwd, U, range(len(tseqs), len(fwd.seqs)), cfg.finetune_batch)
             return {"U": U}, {
+                "keep_sequences": len(kept),
+                "kept": sum(kept) / len(kept) if kept else None,
                 "steps": len(losses),
                 "nll_first": losses[0] if losses else None,
                 "nll_last": losses[-1] if losses else None,

@@ -10,7 +10,7 @@ from typing import Any
 
 #: name -> (what it is for, the fields it sets)
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "default": ("the paper's settings: plain prompts, any stream", {}),
+    "default": ("the paper's settings, and edits that fire in chat when the model has a chat template", {}),
     "quick": (
         "a few facts in minutes on a CPU, to try the tool (a short encoder and a small negative pool)",
         {"encoder_records": 300, "encoder_steps": 150, "negative_pool_records": 100},

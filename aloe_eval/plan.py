@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from aloe_build.data import fact_statement
 from aloe_build.tokens import encode_continuation, encode_prompt
 
 from .definitions import LOCALITY_DEFAULT_TOKENS, LOCALITY_MAX_TOKENS
@@ -52,8 +53,8 @@ class EditPlan:
 
 
 def statement(request: Any) -> str:
-    """The edit's new fact as a sentence: its request followed by its new target."""
-    return f"{request.prompt.strip()} {request.target_new.strip()}."
+    """The edit's new fact as a sentence (:func:`aloe_build.data.fact_statement`)."""
+    return fact_statement(request.prompt, request.target_new)
 
 
 def distracted_prompt(request: Any, question: str) -> str:

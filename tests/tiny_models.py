@@ -3,6 +3,7 @@ so that tests never download anything."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -24,9 +25,14 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-@functools.lru_cache(maxsize=None)
 def tiny_tokenizer():
-    """A word-level tokenizer trained on a few sentences (vocab < 128)."""
+    """A word-level tokenizer trained on a few sentences (vocab < 128), a fresh copy each call: a
+    test that gives it a chat template must not give one to the tests after it."""
+    return copy.deepcopy(_trained_tokenizer())
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

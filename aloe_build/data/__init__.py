@@ -73,6 +73,7 @@ from .requests import (
     EditRequest,
     LocalityPrompt,
     PortabilityPrompt,
+    fact_statement,
     normalize_answers,
 )
 from .requests import PathLike as PathLike  # the path type of load_edits/save_edits_jsonl, not in __all__
@@ -85,6 +86,7 @@ __all__ = [
     "LocalityPrompt",
     "PortabilityPrompt",
     "detect_format",
+    "fact_statement",
     "load_edits",
     "normalize_answers",
     "relation_templates",

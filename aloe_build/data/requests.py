@@ -32,6 +32,12 @@ _ALOE_FIELDS = frozenset(
 )
 
 
+def fact_statement(prompt: str, target: str) -> str:
+    """An edit's new fact as a sentence: its request followed by its target ("The Eiffel Tower is
+    located in the city of Rome."), as a conversation or a retrieved passage would mention it."""
+    return f"{prompt.strip()} {target.strip()}."
+
+
 class EditDataError(ValueError):
     """An edit file cannot be read: missing, not JSON, an unknown layout, or a bad record.
 

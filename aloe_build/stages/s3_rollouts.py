@@ -30,6 +30,7 @@ from ..corpus import Corpus, exclusion_prompts, relation_words, word_swapped_tem
 from ..forward import Tick, in_precision, teacher_forced
 from ..slots import Slot
 from ..states import StateBatch
+from ..system_prompts import GENERIC_SYSTEM_PROMPTS
 from ..tokens import (
     chat_answer,
     chat_header_length,
@@ -126,6 +127,10 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
     for i, s in enumerate(slots):
         for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng, statements):
             seqs.add(encode_prompt(tokenizer, text), i, soft=False, along=False)
+    # The request after generic system prompts: required anchors at the assistant header, where the
+    # answer starts (the writes fitted on the default form carry to them).
+    for i, ids in generic_system_forms(tokenizer, slots, cfg):
+        seqs.add(ids, i, soft=False, along=False, chat=True)
     return seqs
 
 
@@ -137,6 +142,18 @@ def chat_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple
     return [
         (i, chat_prompt(tokenizer, s.prompt, system)) for system in (None, *cfg.chat.chat_systems) for i, s in enumerate(slots)
     ]
+
+
+def generic_system_forms(tokenizer, slots: Sequence[Slot], cfg: BuildConfig) -> list[tuple[int, list[int]]]:
+    """(slot, token ids) of each request asked after the slot's own draw of
+    ``cfg.chat.positives_chat_generic_systems`` generic system prompts; none without chat positives."""
+    k = cfg.chat.positives_chat_generic_systems if cfg.chat.positives_chat else 0
+    forms = []
+    for i, s in enumerate(slots if k else []):
+        # seeded by the slot's request, so a slot's draw does not depend on the other edits (appends)
+        rng = random.Random(f"{cfg.seed}\x00{s.prompt}")
+        forms.extend((i, chat_prompt(tokenizer, s.prompt, system)) for system in rng.sample(GENERIC_SYSTEM_PROMPTS, k))
+    return forms
 
 
 def along_target_anchors(

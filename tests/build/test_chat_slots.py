@@ -31,7 +31,7 @@ def _gate(score: torch.Tensor, tau: torch.Tensor, alpha: torch.Tensor) -> torch.
 
 def test_chat_slots_need_chat_positives():
     with pytest.raises(ValueError, match="chat_slots needs positives_chat"):
-        BuildConfig(chat_slots=True)
+        BuildConfig(chat_slots=True, positives_chat=False)
     assert BuildConfig(chat_slots=True, positives_chat=True).chat.chat_slots
 
 

@@ -19,11 +19,23 @@ def test_every_field_declares_a_stage_and_a_help_text_and_names_are_unique():
     assert "positives_chat" in names and "refine_pull" in names and "chat" not in names
 
 
+def getattr_flat(cfg: BuildConfig, name: str):
+    return cfg.to_dict()[name]
+
+
 def test_fields_up_to_a_stage_are_those_of_that_stage_and_before():
     cfg = BuildConfig()
     stage_of = {f.name: f.metadata["stage"] for f in BuildConfig.field_specs()}
+    # a setting added after checkpoints were written keys them only away from its value before it
+    before = {f.name: f.metadata["before"] for f in BuildConfig.field_specs() if isinstance(f.metadata["before"], int)}
+    assert {"positives_chat_generic_systems", "finetune_keep_after_statement"} <= set(before)
+    away, then = BuildConfig(**{k: v + 1 for k, v in before.items()}), BuildConfig(**before)
     for stage in range(9):
-        assert set(cfg.fields_up_to(stage)) == {k for k, s in stage_of.items() if s <= stage}
+        assert set(away.fields_up_to(stage)) == {k for k, s in stage_of.items() if s <= stage}
+        assert set(then.fields_up_to(stage)) == {k for k, s in stage_of.items() if s <= stage and k not in before}
+        assert set(cfg.fields_up_to(stage)) == {
+            k for k, s in stage_of.items() if s <= stage and (k not in before or getattr_flat(cfg, k) != before[k])
+        }
     # spot checks against the Method section's stages, independent of field names
     assert stage_of["layer"] == stage_of["seed"] == 0
     assert stage_of["max_target_tokens"] == 3 and stage_of["compute_dtype"] == 6 and stage_of["open_gate"] == 5
@@ -86,7 +98,9 @@ def test_checkpoint_keys_are_those_written_before_the_groups(name):
 
     from aloe_build.checkpoints import StageCheckpoints
 
-    cfg = BuildConfig.preset(name)
+    # settings added since, at the values that build as builds did then (chat positives were off by default)
+    then = {"positives_chat_generic_systems": 0, **({"positives_chat": False} if name == "default" else {})}
+    cfg = BuildConfig.preset(name, **then)
     ckpt = StageCheckpoints(None, "base", cfg)
     got = {stage: ckpt.key(stage) for stage in KEYS_BEFORE_GROUPS[name] if stage[0].isdigit()}
     got["stage 1 fields"] = hashlib.sha256(json.dumps(cfg.fields_of(1), sort_keys=True).encode()).hexdigest()[:16]
@@ -121,11 +135,36 @@ def test_presets_set_their_fields_and_overrides_win():
         BuildConfig.preset("fast")
 
 
+def test_chat_positives_follow_the_tokenizer_unless_set():
+    class ChatTokenizer:
+        chat_template = "{{ messages }}"
+
+    class BaseTokenizer:
+        chat_template = None
+
+    auto = BuildConfig()
+    assert auto.chat.positives_chat is None and BuildConfig(positives_chat="auto") == auto
+    assert auto.for_tokenizer(ChatTokenizer()).chat.positives_chat is True
+    assert auto.for_tokenizer(BaseTokenizer()).chat.positives_chat is False
+    assert auto.chat.positives_chat is None  # decided on a copy
+    assert BuildConfig(positives_chat=False).for_tokenizer(ChatTokenizer()).chat.positives_chat is False
+    with pytest.raises(ValueError, match="no chat template"):
+        BuildConfig(positives_chat=True).for_tokenizer(BaseTokenizer())
+    with pytest.raises(ValueError, match="chat_slots needs positives_chat"):
+        BuildConfig(chat_slots=True).for_tokenizer(BaseTokenizer())
+    with pytest.raises(ValueError, match="chat_slots needs positives_chat"):
+        BuildConfig(chat_slots=True, positives_chat=False)
+    with pytest.raises(ValueError, match="true, false or auto"):
+        BuildConfig(positives_chat="yes")
+    with pytest.raises(ValueError, match="positives_chat_generic_systems"):
+        BuildConfig(positives_chat_generic_systems=1000)
+
+
 def test_experimental_settings_and_unused_chat_settings_warn():
     with pytest.warns(UserWarning, match=r"experimental settings \['refine_pull'\]"):
         BuildConfig(refine_pull=0.3)
     with pytest.warns(UserWarning, match="no effect without positives_chat"):
-        BuildConfig(negatives_chat_own=2)
+        BuildConfig(negatives_chat_own=2, positives_chat=False)
     import warnings
 
     with warnings.catch_warnings():

@@ -383,13 +383,18 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
     from aloe_build.tokens import chat_answer, chat_prompt
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    tok.chat_template = TINY_CHAT_TEMPLATE
     edits = _edits()[:3]
-    for chat in (True, False):
-        out = tmp_path / f"chat{chat}"
-        build_operator(model, tok, edits, _tiny_cfg(tmp_path, positives_chat=chat, positives_prefixed=0), out_dir=out, log=None)
+    # None (the default) decides by the tokenizer: on with a chat template, off without one
+    for setting, template, chat in ((True, True, True), (False, True, False), (None, True, True), (None, False, False)):
+        tok.chat_template = TINY_CHAT_TEMPLATE if template else None
+        out = tmp_path / f"chat{setting}{template}"
+        cfg = _tiny_cfg(tmp_path, positives_chat=setting, positives_prefixed=0)
+        build_operator(model, tok, edits, cfg, out_dir=out, log=None)
+        assert cfg.chat.positives_chat is setting  # the caller's settings are left as given
+        tok.chat_template = TINY_CHAT_TEMPLATE
         roll = load_file(str(out / "checkpoints" / "3_rollouts.safetensors"))
         report = json.loads((out / "build_report.json").read_text())
+        assert report["config"]["positives_chat"] is chat
         assert report["stages"]["3_rollouts"]["paraphrase_positives"] == (len(edits) if chat else 0)
         assert report["stages"]["8_finetune"]["paraphrase_sequences"] == (len(edits) if chat else 0)
         for i, e in enumerate(edits):
@@ -397,6 +402,40 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
             h = collect_states(model, tok, [prompt + answer], 1, [[len(prompt) - 1]]).states
             assert _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h) == chat
             assert not _rows_contain(roll["anchors"][roll["anchor_owner"] != i], h)
+
+
+def test_generic_system_positives_ask_each_request_after_its_own_draw_of_prompts():
+    """``positives_chat_generic_systems=k``: each slot's request after k distinct generic system
+    prompts, a draw that depends on the request alone (the same whichever other edits are built with
+    it), anchored at the last prompt token (the assistant header) and owned by the slot."""
+    from aloe_build.corpus import load_corpus
+    from aloe_build.slots import make_slots
+    from aloe_build.stages.s3_rollouts import generic_system_forms, token_sequences
+    from aloe_build.system_prompts import GENERIC_SYSTEM_PROMPTS
+    from aloe_build.tokens import chat_prompt
+
+    tok = tiny_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    edits = _edits()[:3]
+    cfg = BuildConfig(positives_chat=True, positives_chat_generic_systems=2, positives_prefixed=0)
+    slots = make_slots(edits)
+    forms = generic_system_forms(tok, slots, cfg)
+    assert len(forms) == 2 * len(edits)
+    after = {(i, s): chat_prompt(tok, e.prompt, s) for i, e in enumerate(edits) for s in GENERIC_SYSTEM_PROMPTS}
+    for i in range(len(edits)):
+        mine = [ids for j, ids in forms if j == i]
+        assert len({s for s in GENERIC_SYSTEM_PROMPTS for ids in mine if ids == after[(i, s)]}) == 2
+    alone = generic_system_forms(tok, make_slots(edits[2:]), cfg)
+    assert [ids for _, ids in alone] == [ids for j, ids in forms if j == 2]
+    assert generic_system_forms(tok, slots, BuildConfig(positives_chat=False, positives_chat_generic_systems=2)) == []
+    # in the build's sequences: required anchors at the last prompt token, chat forms, not trained
+    corpus, _ = load_corpus(None, 50, 0, 0)
+    seqs = token_sequences(tok, slots, corpus, cfg)
+    tail = len(seqs.extra_prompts) - len(forms)
+    assert seqs.extra_prompts[tail:] == [ids for _, ids in forms]
+    assert seqs.extra_owner[tail:] == [i for i, _ in forms]
+    assert not any(seqs.extra_along[tail:]) and not any(seqs.extra_soft[tail:]) and all(seqs.extra_chat[tail:])
+    assert all(k < len(edits) + tail for k in seqs.trained)
 
 
 def recording_write_targets(seen: list):
@@ -588,6 +627,7 @@ def test_chat_builds_take_generic_system_headers_and_chat_answers_as_negatives(t
         negatives_chat_pool=4,
         negatives_chat_systems=2,
         negatives_chat_answer_tokens=3,
+        positives_chat_generic_systems=0,  # more than the three prompts patched in
     )
     build_operator(model, tok, edits, cfg, out_dir=tmp_path / "op", log=None)
     roll = load_file(str(tmp_path / "op" / "checkpoints" / "3_rollouts.safetensors"))
