@@ -12,8 +12,15 @@ from typing import Any
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "default": ("the paper's settings, and edits that fire in chat when the model has a chat template", {}),
     "quick": (
-        "a few facts in minutes on a CPU, to try the tool (a short encoder and a small negative pool)",
-        {"encoder_records": 300, "encoder_steps": 150, "negative_pool_records": 100},
+        "a few facts in minutes on a CPU, to try the tool (a short encoder and small negative pools)",
+        {
+            "encoder_records": 300,
+            "encoder_steps": 150,
+            "negative_pool_records": 100,
+            "negatives_chat_pool": 100,
+            "negatives_chat_questions": 100,
+            "negatives_chat_systems": 8,
+        },
     ),
     "demo": (
         "what `make demo` runs: a mid-size encoder, edits that fire in chat, one chat slot per edit",

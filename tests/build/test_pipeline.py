@@ -388,7 +388,7 @@ def test_chat_forms_are_anchors_along_the_answer_and_train_the_writes(tmp_path):
     for setting, template, chat in ((True, True, True), (False, True, False), (None, True, True), (None, False, False)):
         tok.chat_template = TINY_CHAT_TEMPLATE if template else None
         out = tmp_path / f"chat{setting}{template}"
-        cfg = _tiny_cfg(tmp_path, positives_chat=setting, positives_prefixed=0)
+        cfg = _tiny_cfg(tmp_path, positives_chat=setting, positives_prefixed=0, positives_chat_generic_systems=0)
         build_operator(model, tok, edits, cfg, out_dir=out, log=None)
         assert cfg.chat.positives_chat is setting  # the caller's settings are left as given
         tok.chat_template = TINY_CHAT_TEMPLATE
@@ -581,7 +581,14 @@ def test_chat_systems_add_a_chat_form_per_system_prompt_and_share_out_the_pool(t
     tok.chat_template = TINY_CHAT_TEMPLATE
     system = "answer in one word"
     edits = _edits()[:3]
-    cfg = _tiny_cfg(tmp_path, positives_chat=True, positives_prefixed=0, chat_systems=[system], negatives_chat_pool=4)
+    cfg = _tiny_cfg(
+        tmp_path,
+        positives_chat=True,
+        positives_prefixed=0,
+        chat_systems=[system],
+        negatives_chat_pool=4,
+        positives_chat_generic_systems=0,
+    )
     build_operator(model, tok, edits, cfg, out_dir=tmp_path / "op", log=None)
     roll = load_file(str(tmp_path / "op" / "checkpoints" / "3_rollouts.safetensors"))
     report = json.loads((tmp_path / "op" / "build_report.json").read_text())

@@ -31,6 +31,7 @@ def test_smollm2_small_build_edits_take(tmp_path, smollm2_encoder_cache):
         refine_steps=300,
         finetune_steps=10,
         finetune_batch=6,
+        positives_chat=False,  # a plain build; the demo guard builds SmolLM2 with chat positives
     )
     op = build_operator(model, tok, edits, cfg, out_dir=tmp_path / "run", log=None)
     op.save(tmp_path / "run")
