@@ -150,8 +150,10 @@ class ChatConfig:
         self.chat_systems = tuple(self.chat_systems)
         if not all(isinstance(t, str) and t.strip() for t in self.chat_systems):
             raise ValueError("BuildConfig: chat_systems must be non-empty strings")
-        if self.positives_chat == "auto":
-            self.positives_chat = None
+        if isinstance(self.positives_chat, str):  # as typed on a command line: true, False, auto, ...
+            self.positives_chat = {"auto": None, "true": True, "false": False}.get(
+                self.positives_chat.lower(), self.positives_chat
+            )
         if self.positives_chat not in (None, True, False):
             raise ValueError(f"BuildConfig: positives_chat must be true, false or auto, got {self.positives_chat!r}")
         if self.chat_slots and self.positives_chat is False:

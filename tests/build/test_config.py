@@ -144,6 +144,8 @@ def test_chat_positives_follow_the_tokenizer_unless_set():
 
     auto = BuildConfig()
     assert auto.chat.positives_chat is None and BuildConfig(positives_chat="auto") == auto
+    assert BuildConfig(positives_chat="False").chat.positives_chat is False
+    assert BuildConfig(positives_chat="TRUE").chat.positives_chat is True
     assert auto.for_tokenizer(ChatTokenizer()).chat.positives_chat is True
     assert auto.for_tokenizer(BaseTokenizer()).chat.positives_chat is False
     assert auto.chat.positives_chat is None  # decided on a copy
