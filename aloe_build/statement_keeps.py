@@ -25,6 +25,9 @@ from .questions import generic_questions
 from .slots import Slot
 from .tokens import chat_prompt, encode_prompt
 
+#: Generic questions, and corpus requests, that the keep questions are drawn from (each).
+KEEP_POOL = 200
+
 
 @dataclass
 class KeepSequences:
@@ -39,8 +42,9 @@ class KeepSequences:
 def keep_questions(corpus: Corpus, slot: Slot, k: int, seed: int) -> list[str]:
     """``k`` questions for one slot: generic questions and corpus requests about other subjects,
     drawn by the slot's request alone (an append draws the same for the same edit)."""
-    pool = [q for q in generic_questions(corpus.subjects, 200) + [it.request for it in corpus.items[:200]]]
-    pool = [q for q in pool if slot.subject not in q] if slot.subject else pool
+    pool = generic_questions(corpus.subjects, KEEP_POOL) + [it.request for it in corpus.items[:KEEP_POOL]]
+    if slot.subject:
+        pool = [q for q in pool if slot.subject not in q]
     return random.Random(f"{seed}\x00keep\x00{slot.prompt}").sample(pool, min(k, len(pool)))
 
 
