@@ -315,12 +315,7 @@ class AloeOperator:
         with the stored one when both are known.
         """
         root = Path(path)
-        cfg_path, t_path = root / CONFIG_NAME, root / TENSORS_NAME
-        if not root.is_dir():
-            raise ArtifactError(f"{root}: expected an ALOE artifact directory")
-        for p in (cfg_path, t_path):
-            if not p.is_file():
-                raise ArtifactError(f"{p}: file missing from the artifact")
+        cfg_path, t_path = artifact_files(root)
         try:
             config = json.loads(cfg_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -379,6 +374,18 @@ class AloeOperator:
             digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         digest.update(json.dumps(self.ids).encode())
         return digest.hexdigest()[:16]
+
+
+def artifact_files(path: str | os.PathLike) -> tuple[Path, Path]:
+    """The config and tensor files of the artifact directory ``path``; ArtifactError if one is missing."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: expected an ALOE artifact directory")
+    files = (root / CONFIG_NAME, root / TENSORS_NAME)
+    for p in files:
+        if not p.is_file():
+            raise ArtifactError(f"{p}: file missing from the artifact")
+    return files
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -19,6 +19,8 @@ rows of edits that open for some token (most tokens open none), like
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .reference import compute_dtype, gates_from_scores, open_score_floor
@@ -27,7 +29,6 @@ from .runtime import kernel_dtypes, use_fused_kernel
 __all__ = [
     "apply_from_scores_",
     "apply_from_scores_torch_",
-    "kernel_split_available",
     "partial_scores",
     "partial_scores_torch",
 ]
@@ -71,26 +72,38 @@ def apply_from_scores_torch_(
     return y
 
 
-def kernel_split_available() -> bool:
-    """Whether the Triton split (:mod:`aloe_kernels.ops.tensor_parallel`) can be imported here."""
+@functools.cache
+def _split_kernels():
+    """The Triton split kernels (:mod:`aloe_kernels.ops.tensor_parallel`), imported once.
+
+    Only called where Triton is importable, so a failure here is a broken install (a Triton
+    too old for the kernels, say). It raises rather than falling back to PyTorch: the
+    fallback reads the open rows with ``nonzero()``, which syncs the host and has a
+    data-dependent shape, so under CUDA graph capture it would fail later with an unrelated
+    error.
+    """
     try:
-        from .ops import tensor_parallel  # noqa: F401
-    except Exception:  # ImportError without Triton, or a Triton too old for the kernels
-        return False
-    return True
+        from .ops import tensor_parallel
+    except Exception as exc:
+        import triton
+
+        raise RuntimeError(
+            f"ALOE's tensor-parallel Triton kernels do not import with Triton {triton.__version__} "
+            f"({type(exc).__name__}: {exc}); install a supported Triton (pyproject.toml) rather than "
+            "serving the host-synchronising PyTorch fallback"
+        ) from exc
+    return tensor_parallel
 
 
 def _use_kernel(t: torch.Tensor, operand: torch.Tensor) -> bool:
-    return use_fused_kernel(t) and kernel_dtypes(t, operand) and kernel_split_available()
+    return use_fused_kernel(t) and kernel_dtypes(t, operand)
 
 
 def partial_scores(h: torch.Tensor, addresses: torch.Tensor) -> torch.Tensor:
     """Phase A: (T, n+1) fp32 partial scores and partial squared norm of this rank's slice of h."""
     h2 = h.reshape(-1, h.shape[-1])
     if _use_kernel(h2, addresses):
-        from .ops.tensor_parallel import aloe_gate_partial_scores
-
-        return aloe_gate_partial_scores(h2, addresses)
+        return _split_kernels().aloe_gate_partial_scores(h2, addresses)
     return partial_scores_torch(h2, addresses).float()
 
 
@@ -106,7 +119,5 @@ def apply_from_scores_(
 ) -> torch.Tensor:
     """Phase B on the all-reduced scores: add this rank's share of ``U g`` into ``y`` (in place)."""
     if _use_kernel(y, writes):
-        from .ops.tensor_parallel import aloe_gate_apply_
-
-        return aloe_gate_apply_(y, scores, thresholds, temperatures, writes, eps, gate_eps, edit_offset)
+        return _split_kernels().aloe_gate_apply_(y, scores, thresholds, temperatures, writes, eps, gate_eps, edit_offset)
     return apply_from_scores_torch_(y, scores, thresholds, temperatures, writes, eps, gate_eps, edit_offset)

@@ -6,16 +6,24 @@ which answers the one path and passes everything else through) and
 ``--worker-extension-cls aloe_vllm.worker.AloeWorkerExtension`` (the worker
 side). The admin key comes from the environment variable ``ALOE_ADMIN_KEY``
 (kept off the server's command line); without it the path is not served (404
-from vLLM, as for any unknown path).
+from vLLM, as for any unknown path). Operators are read only from directories
+under ``ALOE_OPERATOR_ROOT`` (``aloe serve --operator-root``, by default the
+directory that holds the served operator); without it every swap is refused.
 
-- ``GET /v1/aloe/operator`` -> ``{"n", "capacity", "operator_hash", "loaded_at"}``;
-- ``POST /v1/aloe/operator`` with ``{"path": DIR}`` -> the same, for the new
-  operator, once it is live. A refused operator gets 422 with ``{"error": reason}``
-  and the old one keeps serving; a malformed request 400.
+- ``GET /v1/aloe/operator`` -> ``{"n", "capacity", "operator_hash", "loaded_at", "ranks"}``;
+- ``POST /v1/aloe/operator`` with ``{"path": DIR}`` -> the same for the new operator, once
+  it is live, plus ``"prefix_cache_reset"``. Answers that change nothing: 400 (malformed
+  request), 403 (a path outside the operator root), 409 (another swap is in progress,
+  perhaps from another API-server process), 422 (a refused operator, with the reason),
+  501 (data parallelism: vLLM would report only the first engine's answers).
+  500 means the swap failed after it began: the body's ``operator`` is what serves now.
 
 Both need ``Authorization: Bearer KEY`` (401 otherwise, nothing changes).
 Swaps are serialized; the protocol (stage in the background, commit between
-two engine steps on every rank) is in :mod:`aloe_vllm.swap`.
+two engine steps on every rank) is in :mod:`aloe_vllm.swap`. After a commit
+the prefix cache is emptied and running requests are recomputed under the
+new operator (vLLM's ``reset_prefix_cache(reset_running_requests=True)``), so
+no KV computed under the old operator is read again.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -33,11 +42,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .swap import SwapRefused, operator_info, staged_hash
+from .format import ADMIN_KEY_ENV, OPERATOR_ROOT_ENV
+from .swap import RanksDisagree, SwapBusy, SwapRefused, new_ticket, operator_info, staged_hash
 
-__all__ = ["ADMIN_KEY_ENV", "ROUTE", "AloeAdminMiddleware"]
+__all__ = ["ADMIN_KEY_ENV", "OPERATOR_ROOT_ENV", "ROUTE", "AloeAdminMiddleware"]
 
-ADMIN_KEY_ENV = "ALOE_ADMIN_KEY"
+log = logging.getLogger("aloe_vllm")
+
 ROUTE = "/v1/aloe/operator"
 _STAGE_TIMEOUT_S = 300.0
 # Each poll is an RPC the engine answers between two steps: often enough for a swap to land
@@ -51,15 +62,43 @@ def _authorized(headers: Headers, key_hash: bytes) -> bool:
     return scheme.lower() == "bearer" and secrets.compare_digest(given, key_hash)
 
 
+def _under_root(path: str, root: Path | None) -> Path | None:
+    """``path`` resolved (symlinks followed) if it lies under ``root``, else None."""
+    if root is None:
+        return None
+    where = Path(path).expanduser().resolve()
+    return where if where.is_relative_to(root) else None
+
+
 async def _swap(engine, path: str) -> dict:
-    """Stage on every rank, wait until all hold the same operator, commit (see :mod:`aloe_vllm.swap`)."""
-    await engine.collective_rpc("aloe_stage", args=(path,))
-    deadline = time.monotonic() + _STAGE_TIMEOUT_S
-    while (digest := staged_hash(await engine.collective_rpc("aloe_staged"))) is None:
-        if time.monotonic() > deadline:
-            raise SwapRefused(f"{path}: not loaded after {_STAGE_TIMEOUT_S:.0f}s")
-        await asyncio.sleep(_POLL_S)
-    return operator_info(await engine.collective_rpc("aloe_commit", args=(digest,)))
+    """Stage on every rank, wait until all hold the same operator, commit, reset the prefix cache
+    (see :mod:`aloe_vllm.swap`). The staging slots are released whatever happens."""
+    ticket = new_ticket()
+    try:
+        staged_hash(await engine.collective_rpc("aloe_stage", args=(path, ticket)))  # SwapBusy if taken
+        deadline = time.monotonic() + _STAGE_TIMEOUT_S
+        while (digest := staged_hash(await engine.collective_rpc("aloe_staged", args=(ticket,)))) is None:
+            if time.monotonic() > deadline:
+                raise SwapRefused(f"{path}: not loaded after {_STAGE_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(_POLL_S)
+        info = operator_info(await engine.collective_rpc("aloe_commit", args=(digest, ticket)))
+    finally:
+        await engine.collective_rpc("aloe_release", args=(ticket,))
+    try:
+        reset = bool(await engine.reset_prefix_cache(reset_running_requests=True))
+    except Exception:  # the swap stands; the caller is told the cache may hold stale KV
+        log.exception("ALOE: the operator swapped but the prefix cache could not be reset")
+        reset = False
+    return {**info, "prefix_cache_reset": reset}
+
+
+async def _live_or_unknown(engine) -> dict | str:
+    try:
+        return operator_info(await engine.collective_rpc("aloe_operator_info"))
+    except RanksDisagree as exc:
+        return {"ranks_disagree": exc.infos}
+    except Exception:
+        return "unknown"
 
 
 class AloeAdminMiddleware:
@@ -69,6 +108,8 @@ class AloeAdminMiddleware:
         self.app = app
         key = os.environ.get(ADMIN_KEY_ENV, "")
         self.key_hash = hashlib.sha256(key.encode()).digest() if key else None
+        root = os.environ.get(OPERATOR_ROOT_ENV, "")
+        self.root = Path(root).expanduser().resolve() if root else None
         self.lock = asyncio.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,7 +128,8 @@ class AloeAdminMiddleware:
             return JSONResponse({"error": "Unauthorized: expected Authorization: Bearer <admin key>"}, 401)
         engine = request.app.state.engine_client
         if request.method == "GET":
-            return JSONResponse(operator_info(await engine.collective_rpc("aloe_operator_info")))
+            live = await _live_or_unknown(engine)
+            return JSONResponse(live, 200) if isinstance(live, dict) and "n" in live else JSONResponse({"operator": live}, 500)
         if request.method != "POST":
             return JSONResponse({"error": f"{request.method} not allowed; use GET or POST"}, 405)
         try:
@@ -97,9 +139,31 @@ class AloeAdminMiddleware:
         path = body.get("path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             return JSONResponse({"error": 'expected a JSON object {"path": "<operator directory>"}'}, 400)
-        path = str(Path(path).expanduser().resolve())
-        async with self.lock:  # one swap at a time: a second waits for the first to finish
+        parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+        if getattr(parallel, "data_parallel_size", 1) > 1:
+            # vLLM runs the RPCs on every engine but returns the first one's answers only.
+            return JSONResponse({"error": "live swaps are not supported with data parallelism"}, 501)
+        where = _under_root(path, self.root)
+        if where is None:
+            why = (
+                f"operators are read only from under {self.root}"
+                if self.root is not None
+                else f"the server was started without {OPERATOR_ROOT_ENV}, so it reads no operator (aloe serve sets it)"
+            )
+            return JSONResponse({"error": f"{path}: refused; {why}"}, 403)
+        async with self.lock:  # one swap at a time per API process; the workers' staging slot covers the rest
             try:
-                return JSONResponse(await _swap(engine, path))
+                return JSONResponse(await _swap(engine, str(where)))
+            except SwapBusy as exc:
+                return JSONResponse({"error": str(exc)}, 409)
             except SwapRefused as exc:
                 return JSONResponse({"error": str(exc)}, 422)
+            except Exception as exc:
+                log.exception("ALOE: live swap of %s failed", where)
+                return JSONResponse(
+                    {
+                        "error": f"the swap failed ({type(exc).__name__}); the server log has the details",
+                        "operator": await _live_or_unknown(engine),
+                    },
+                    500,
+                )

@@ -44,10 +44,12 @@ from aloe_kernels.errors import AloeError
 from aloe_kernels.operator import AloeOperator, weight_fingerprint
 
 from .format import (
+    ADMIN_KEY_ENV,
     ARCHITECTURES,
     BASE_ARCHITECTURES,
     CONFIG_KEY,
     EDITS_FILE,
+    OPERATOR_ROOT_ENV,
     SAFE_INDEX,
     TENSORS_FILE,
     AloeSpec,
@@ -342,12 +344,8 @@ def serve_command(
     ``live_edits`` adds vLLM's extension points for ``/v1/aloe/operator``: the admin middleware
     and the worker extension that swaps operators (the admin key goes in the environment).
     """
-    # Prefix caching would reuse KV computed under the operator a swap replaced: off with live edits.
-    live = (
-        ["--middleware", "aloe_vllm.admin.AloeAdminMiddleware", "--worker-extension-cls", EXTENSION, "--no-enable-prefix-caching"]
-        if live_edits
-        else []
-    )
+    # A swap empties the prefix cache (aloe_vllm.admin), so prefix caching stays on.
+    live = ["--middleware", "aloe_vllm.admin.AloeAdminMiddleware", "--worker-extension-cls", EXTENSION] if live_edits else []
     return [
         sys.executable,
         "-m",
@@ -383,6 +381,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         extra = extra[1:]
     if (args.max_edits is not None or args.admin_key) and not args.operator:
         raise AloeSpecError("--max-edits and --admin-key need --operator (the layer and base it edits)")
+    if args.operator_root and not args.admin_key:
+        raise AloeSpecError("--operator-root needs --admin-key (it bounds where live swaps read operators)")
     base_dir = resolve_base(args.model)
     if args.operator:
         out = Path(args.out) if args.out else default_export_dir(base_dir, args.operator)
@@ -390,14 +390,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_dir = export_vllm(base_dir, args.operator, out, layer=args.layer, overwrite=True, capacity=args.max_edits)
     else:
         model_dir = base_dir
+    env = dict(os.environ)
+    if args.admin_key:
+        env[ADMIN_KEY_ENV] = args.admin_key  # read by aloe_vllm.admin; kept off the server's argv
+        root = Path(args.operator_root or Path(args.operator).expanduser().resolve().parent).expanduser().resolve()
+        if not root.is_dir():
+            raise AloeSpecError(f"--operator-root {root}: not a directory")
+        env[OPERATOR_ROOT_ENV] = str(root)
+        print(f"aloe serve: live swaps read operators under {root}", file=sys.stderr, flush=True)
     cmd = serve_command(model_dir, args.host, args.port, extra, live_edits=bool(args.admin_key))
     print("aloe serve: " + " ".join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    env = dict(os.environ)
-    if args.admin_key:
-        env["ALOE_ADMIN_KEY"] = args.admin_key  # read by aloe_vllm.admin; kept off the server's argv
     os.execve(cmd[0], cmd, env)
     return 0  # pragma: no cover
 
@@ -428,6 +433,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
     p.add_argument("--admin-key", default=None, help="enable GET/POST /v1/aloe/operator (live swaps) behind this bearer key")
+    p.add_argument(
+        "--operator-root",
+        default=None,
+        help="live swaps read operators only from under this directory (default: the one holding --operator)",
+    )
     p.add_argument("--dry-run", action="store_true", help="export and print the server command without running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments passed to vLLM (after --)")
     p.set_defaults(func=_cmd_serve)

@@ -35,6 +35,10 @@ TENSORS_FILE = "aloe_operator.safetensors"
 EDITS_FILE = "aloe_edits.json"
 SAFE_INDEX = "model.safetensors.index.json"
 #: Suffixes of the operator parameters on the edited down-projection.
+#: The environment variables of the live-swap endpoint (``aloe_vllm.admin``): its bearer key,
+#: and the directory under which it reads operators.
+ADMIN_KEY_ENV = "ALOE_ADMIN_KEY"
+OPERATOR_ROOT_ENV = "ALOE_OPERATOR_ROOT"
 PARAM_NAMES = ("aloe_addresses", "aloe_thresholds", "aloe_temperatures", "aloe_writes")
 #: Base architecture -> ALOE architecture registered with vLLM.
 ARCHITECTURES = {
@@ -53,6 +57,10 @@ INERT = {"addresses": 0.0, "thresholds": 2.0, "temperatures": 1000.0, "writes": 
 
 class AloeSpecError(AloeError, ValueError):
     """A serving directory (or operator) that cannot be served with this base model."""
+
+
+class AloeSwapFailed(AloeError, RuntimeError):
+    """A live swap whose writes failed; the message says whether the previous operator is live again."""
 
 
 def down_proj_prefix(layer: int) -> str:

@@ -41,7 +41,7 @@ from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.linear import RowParallelLinear
 
 from . import ops  # noqa: F401  (importing registers the torch.ops.aloe_vllm custom ops)
-from .format import INERT, AloeSpec, AloeSpecError, edit_share
+from .format import INERT, PARAM_NAMES, AloeSpec, AloeSpecError, AloeSwapFailed, edit_share
 from .screen import refresh_int8_screen_, refresh_screen_, screen_buffers, screen_kind
 
 __all__ = ["AloeRowParallelLinear"]
@@ -190,17 +190,62 @@ class AloeRowParallelLinear(RowParallelLinear):
         Only the contents of the existing tensors change (their shapes and addresses stay), so
         compiled graphs stay valid. The caller runs this between two forward passes (vLLM's
         ``collective_rpc`` does, on every rank at the same step).
+
+        All or nothing: the new rows are cast on the host first (so the writes allocate nothing
+        on the device), and this rank's live rows are copied to the host before the first
+        write; if any write fails, they are written back and AloeSwapFailed says so. If even
+        that fails, the operator hash becomes ``"unknown"``.
         """
         if op.n > self.aloe_n:
             raise AloeSpecError(f"{self.prefix}: {op.n} edits do not fit in {self.aloe_n} slots")
-        for field in ("addresses", "thresholds", "temperatures", "writes"):
-            self._place_rows("aloe_" + field, getattr(op, field).detach())
-        self.aloe_active_n = op.n
-        self.aloe_active.fill_(op.n)
-        if self.aloe_screen is not None:
-            self._aloe_refresh_screen()
+        rows = {name: getattr(op, name.removeprefix("aloe_")).detach().to(getattr(self, name).dtype) for name in PARAM_NAMES}
+        before = self._aloe_snapshot()
+        try:
+            self._aloe_write_(lambda name: self._place_rows(name, rows[name]), op.n)
+        except Exception as exc:
+            try:
+                self._aloe_write_(lambda name: self._restore_rows(name, before), before["n"])
+            except Exception as again:
+                self.aloe_operator_hash = "unknown"
+                raise AloeSwapFailed(
+                    f"{self.prefix}: the swap to {operator_hash} failed ({type(exc).__name__}: {exc}) and restoring "
+                    f"the previous operator failed too ({type(again).__name__}); the served operator is unknown"
+                ) from again
+            raise AloeSwapFailed(
+                f"{self.prefix}: the swap to {operator_hash} failed ({type(exc).__name__}: {exc}); "
+                f"the previous operator {self.aloe_operator_hash} is live again"
+            ) from exc
         self.aloe_operator_hash = operator_hash
         self.aloe_loaded_at = time.time()
+
+    def _aloe_write_(self, place, n: int) -> None:
+        """Write every operator tensor (``place(name)``), then the live count and the screen."""
+        for name in PARAM_NAMES:
+            place(name)
+        self.aloe_active_n = n
+        self.aloe_active.fill_(n)
+        if self.aloe_screen is not None:
+            self._aloe_refresh_screen()
+
+    def _aloe_live_rows(self, name: str, n: int) -> int:
+        """How many leading rows of this rank's ``name`` hold the first ``n`` edits."""
+        if name == "aloe_addresses":
+            return n
+        return max(0, min(self.aloe_hi, n) - self.aloe_lo)
+
+    def _aloe_snapshot(self) -> dict:
+        """This rank's live rows on the host, and the live count: what a failed swap writes back."""
+        n = self.aloe_active_n
+        return {
+            "n": n,
+            **{name: getattr(self, name).data[: self._aloe_live_rows(name, n)].to("cpu", copy=True) for name in PARAM_NAMES},
+        }
+
+    def _restore_rows(self, name: str, before: dict) -> None:
+        """Write back the snapshot's rows of ``name``; every later row becomes inert again."""
+        param, saved = getattr(self, name), before[name]
+        param.data[: saved.shape[0]].copy_(saved)
+        param.data[saved.shape[0] :].fill_(INERT[name.removeprefix("aloe_")])
 
     def aloe_info(self) -> dict:
         """The live operator: ``n``, ``capacity``, ``operator_hash``, ``loaded_at`` (Unix seconds)."""

@@ -23,6 +23,7 @@ from .format import PARAM_NAMES, AloeSpec, AloeSpecError, down_proj_prefix
 from .layer import AloeRowParallelLinear
 
 __all__ = [
+    "layer_keywords",
     "AloeLlamaForCausalLM",
     "AloeMistralForCausalLM",
     "AloeQwen2ForCausalLM",
@@ -44,6 +45,26 @@ def _aloe_dtype(vllm_config) -> torch.dtype:
     if current_platform.is_cpu() or model_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return torch.float32
     return model_dtype
+
+
+def layer_keywords(old) -> dict:
+    """The constructor keywords that rebuild the stock down-projection ``old`` (a ``RowParallelLinear``).
+
+    Every keyword of ``RowParallelLinear.__init__`` but the sizes must be here, or the ALOE
+    layer would silently take a default the stock one did not (the vLLM tests compare this set
+    with the installed vLLM's signature).
+    """
+    return dict(
+        bias=old.bias is not None,
+        input_is_parallel=old.input_is_parallel,
+        skip_bias_add=old.skip_bias_add,
+        params_dtype=old.params_dtype,
+        reduce_results=old.reduce_results,
+        quant_config=old.quant_config,
+        prefix=old.prefix,
+        return_bias=old.return_bias,
+        disable_tp=old.disable_tp,
+    )
 
 
 class _AloeMixin:
@@ -78,19 +99,7 @@ class _AloeMixin:
         mlp = block.mlp
         old = mlp.down_proj
         new = AloeRowParallelLinear(
-            old.input_size,
-            old.output_size,
-            spec=spec,
-            aloe_dtype=_aloe_dtype(vllm_config),
-            bias=old.bias is not None,
-            input_is_parallel=old.input_is_parallel,
-            skip_bias_add=old.skip_bias_add,
-            params_dtype=old.params_dtype,
-            reduce_results=old.reduce_results,
-            quant_config=old.quant_config,
-            prefix=old.prefix,
-            return_bias=old.return_bias,
-            disable_tp=old.disable_tp,
+            old.input_size, old.output_size, spec=spec, aloe_dtype=_aloe_dtype(vllm_config), **layer_keywords(old)
         )
         mlp.down_proj = new
         del old

@@ -3,13 +3,18 @@
 A swap replaces the served operator by the one in an artifact directory built
 for the same base model, without restarting the engine:
 
-1. ``aloe_stage(path)`` on every rank: a background thread loads the
-   artifact on CPU and checks it against the served layer (:func:`check_for_swap`);
-   nothing live is touched and the engine keeps stepping meanwhile.
-2. ``aloe_staged()`` is polled until every rank reports ``ok`` (same operator
+1. ``aloe_stage(path, ticket)`` on every rank: a background thread checks the
+   artifact's config and file sizes against the served layer before reading any
+   tensor (:func:`precheck_for_swap`), then loads it on CPU and checks it
+   (:func:`check_for_swap`); nothing live is touched and the engine keeps
+   stepping meanwhile. Each rank has one staging slot, owned by the ticket of
+   the swap that staged it: while another swap holds it, the stage is refused
+   as busy (so two API-server processes cannot cross their swaps).
+2. ``aloe_staged(ticket)`` is polled until every rank reports ``ok`` (same operator
    hash everywhere) or one reports an error, which refuses the swap.
-3. ``aloe_commit(hash)`` on every rank copies the staged tensors into the
-   layer's existing parameters (``AloeRowParallelLinear.aloe_swap_``).
+3. ``aloe_commit(hash, ticket)`` on every rank copies the staged tensors into the
+   layer's existing parameters (``AloeRowParallelLinear.aloe_swap_``), which
+   restores the previous operator if any write fails.
 
 vLLM runs a ``collective_rpc`` between two engine steps (the engine core's
 busy loop handles it between steps; with tensor parallelism every worker takes
@@ -24,17 +29,30 @@ The worker side is :class:`aloe_vllm.worker.AloeWorkerExtension` (vLLM's
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 from aloe_kernels.errors import ArtifactError
-from aloe_kernels.operator import AloeOperator
+from aloe_kernels.operator import SUPPORTED_DTYPES, AloeOperator, artifact_files
 
 from .format import AloeSpec, AloeSpecError
 
-__all__ = ["EXTENSION", "SwapRefused", "check_for_swap", "load_for_swap", "operator_info", "staged_hash", "swap_operator"]
+__all__ = [
+    "EXTENSION",
+    "RanksDisagree",
+    "SwapBusy",
+    "SwapRefused",
+    "check_for_swap",
+    "load_for_swap",
+    "operator_info",
+    "precheck_for_swap",
+    "staged_hash",
+    "swap_operator",
+]
 
 #: vLLM's ``worker_extension_cls`` that adds the swap methods to every worker.
 EXTENSION = "aloe_vllm.worker.AloeWorkerExtension"
@@ -42,6 +60,60 @@ EXTENSION = "aloe_vllm.worker.AloeWorkerExtension"
 
 class SwapRefused(AloeSpecError):
     """An operator that may not replace the served one (the served one stays); the message says why."""
+
+
+class SwapBusy(SwapRefused):
+    """Another swap holds the staging slot; try again once it is done (the served operator stays)."""
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks holding the ALOE layer report different live operators (``.infos`` holds each report)."""
+
+    def __init__(self, infos: list[dict]):
+        super().__init__(f"the ranks serve different operators: {[i.get('operator_hash') for i in infos]}")
+        self.infos = infos
+
+
+#: The largest ``aloe_config.json`` a swap reads (edit metadata; about 1 KB per edit).
+CONFIG_MAX_BYTES = 64 << 20
+#: Room for the safetensors header and alignment beyond the tensor bytes themselves.
+_HEADER_SLACK_BYTES = 1 << 20
+
+
+def precheck_for_swap(path: str | os.PathLike, spec: AloeSpec) -> None:
+    """Refuse the artifact at ``path`` from its config and file sizes alone, before any tensor is read.
+
+    An oversized or mislabelled artifact must not be loaded into host memory on every rank just
+    to be refused: the config's ``n``, ``d``, ``d_out`` and ``dtype`` are checked against the
+    served layer, and the tensor file may be no larger than those shapes need.
+    """
+    root = Path(path)
+    try:
+        cfg_path, t_path = artifact_files(root)
+    except ArtifactError as exc:
+        raise SwapRefused(str(exc)) from exc
+    if cfg_path.stat().st_size > CONFIG_MAX_BYTES:
+        raise SwapRefused(f"{cfg_path}: larger than {CONFIG_MAX_BYTES >> 20} MiB; not an operator config")
+    try:
+        config = json.loads(cfg_path.read_text())
+        n, d, d_out = (int(config[k]) for k in ("n", "d", "d_out"))
+        itemsize = SUPPORTED_DTYPES[config["dtype"]].itemsize
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        raise SwapRefused(f"{cfg_path}: not a readable operator config ({type(exc).__name__}: {exc})") from exc
+    _check_sizes(n, d, d_out, spec, str(root))
+    limit = n * (d + d_out + 2) * itemsize + _HEADER_SLACK_BYTES
+    if t_path.stat().st_size > limit:
+        raise SwapRefused(f"{t_path}: {t_path.stat().st_size} bytes, more than the {limit} that n={n} edits need")
+
+
+def _check_sizes(n: int, d: int, d_out: int, spec: AloeSpec, source: str) -> None:
+    if (d, d_out) != (spec.d, spec.d_out):
+        raise SwapRefused(f"{source}: the operator maps d={d} to d_out={d_out}, the served layer maps {spec.d} to {spec.d_out}")
+    if n > spec.slots:
+        raise SwapRefused(
+            f"{source}: the operator has n={n} edits, more than the capacity of {spec.slots} "
+            "slots the server reserved (serve with a larger --max-edits)"
+        )
 
 
 def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -> None:
@@ -64,15 +136,7 @@ def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -
         )
     if op.layer is not None and op.layer != spec.layer:
         raise SwapRefused(f"{source}: the operator edits layer {op.layer}, the served operator layer {spec.layer}")
-    if (op.d, op.d_out) != (spec.d, spec.d_out):
-        raise SwapRefused(
-            f"{source}: the operator maps d={op.d} to d_out={op.d_out}, the served layer maps {spec.d} to {spec.d_out}"
-        )
-    if op.n > spec.slots:
-        raise SwapRefused(
-            f"{source}: the operator has n={op.n} edits, more than the capacity of {spec.slots} "
-            "slots the server reserved (serve with a larger --max-edits)"
-        )
+    _check_sizes(op.n, op.d, op.d_out, spec, source)
     if (float(op.eps), float(op.gate_eps)) != (float(spec.eps), float(spec.gate_eps)):
         raise SwapRefused(
             f"{source}: the operator has eps={op.eps}, gate_eps={op.gate_eps}; the served layer "
@@ -81,7 +145,9 @@ def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -
 
 
 def load_for_swap(path: str | os.PathLike, spec: AloeSpec) -> AloeOperator:
-    """Load the artifact at ``path`` on CPU and check it (:func:`check_for_swap`); SwapRefused on any problem."""
+    """Check the artifact at ``path`` (:func:`precheck_for_swap`), load it on CPU and check it
+    (:func:`check_for_swap`); SwapRefused on any problem."""
+    precheck_for_swap(path, spec)
     try:
         op = AloeOperator.load(path)
     except (ArtifactError, OSError, ValueError) as exc:
@@ -91,20 +157,29 @@ def load_for_swap(path: str | os.PathLike, spec: AloeSpec) -> AloeOperator:
 
 
 def operator_info(infos: list[dict | None]) -> dict:
-    """The served operator as ``GET /v1/aloe/operator`` reports it, from the ranks' ``aloe_operator_info()``."""
+    """The served operator as ``GET /v1/aloe/operator`` reports it, from the ranks' ``aloe_operator_info()``.
+
+    ``ranks`` counts the ranks holding the layer. RanksDisagree when they do not all serve the
+    same operator (a failed rollback on one of them).
+    """
     live = [i for i in infos if i]
     if not live:
         raise RuntimeError("no worker holds an ALOE layer (is this an ALOE serving directory?)")
-    return {k: live[0][k] for k in ("n", "capacity", "operator_hash", "loaded_at")}
+    if len({(i["n"], i["operator_hash"]) for i in live}) != 1:
+        raise RanksDisagree(live)
+    return {**{k: live[0][k] for k in ("n", "capacity", "operator_hash", "loaded_at")}, "ranks": len(live)}
 
 
 def staged_hash(states: list[dict | None]) -> str | None:
     """The staged operator's hash once every rank holding the layer has it; None while one is loading.
 
-    Raises SwapRefused with the first rank's reason when a rank refused it.
+    Raises SwapRefused with the first rank's reason when a rank refused it (SwapBusy when
+    another swap holds a rank's staging slot).
     """
     live = [s for s in states if s]
     for s in live:
+        if s["state"] == "busy":
+            raise SwapBusy(s["error"])
         if s["state"] == "error":
             raise SwapRefused(s["error"])
     if not live or any(s["state"] != "ok" for s in live):
@@ -113,6 +188,11 @@ def staged_hash(states: list[dict | None]) -> str | None:
     if len(hashes) != 1:  # the file changed between the ranks' reads
         raise SwapRefused(f"the ranks read different operators ({sorted(hashes)}); was the artifact rewritten?")
     return hashes.pop()
+
+
+def new_ticket() -> str:
+    """A fresh swap ticket: the owner of the workers' staging slots for one swap."""
+    return uuid.uuid4().hex
 
 
 def swap_operator(
@@ -125,13 +205,17 @@ def swap_operator(
     between steps in any case).
     """
     where = str(Path(path).expanduser().resolve())
-    llm.collective_rpc("aloe_stage", args=(where,))
-    deadline = time.monotonic() + timeout
-    while (digest := staged_hash(llm.collective_rpc("aloe_staged"))) is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{where}: not staged after {timeout:.0f}s")
-        poll()
-    info = operator_info(llm.collective_rpc("aloe_commit", args=(digest,)))
+    ticket = new_ticket()
+    try:
+        staged_hash(llm.collective_rpc("aloe_stage", args=(where, ticket)))
+        deadline = time.monotonic() + timeout
+        while (digest := staged_hash(llm.collective_rpc("aloe_staged", args=(ticket,)))) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{where}: not staged after {timeout:.0f}s")
+            poll()
+        info = operator_info(llm.collective_rpc("aloe_commit", args=(digest, ticket)))
+    finally:
+        llm.collective_rpc("aloe_release", args=(ticket,))
     # Cached prefixes hold KV computed under the old operator; between generate calls nothing
     # runs, so the reset succeeds.
     llm.reset_prefix_cache()

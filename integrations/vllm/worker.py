@@ -8,19 +8,44 @@ protocol and its guarantees are described in :mod:`aloe_vllm.swap`.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from .layer import AloeRowParallelLinear
 from .swap import SwapRefused, load_for_swap
 
-__all__ = ["AloeWorkerExtension"]
+__all__ = ["STAGE_LEASE_S", "AloeWorkerExtension"]
+
+log = logging.getLogger("aloe_vllm")
+
+#: A staging slot held this long by a swap that never committed or released it (its client
+#: died) may be taken by another swap.
+STAGE_LEASE_S = 600.0
+
+
+@dataclass
+class _Staging:
+    ticket: str
+    started: float  # time.monotonic()
+    result: Future  # (operator, hash) or the reason it was refused
 
 
 def _load_staged(path: str, layer: AloeRowParallelLinear) -> tuple[Any, str]:
     op = load_for_swap(path, layer.aloe_spec)
     return op, op.fingerprint()
+
+
+def _reason(exc: BaseException) -> str:
+    """What the client is told: our own refusal messages in full; anything else by type only
+    (its text may quote server internals), with the traceback in the server log."""
+    if isinstance(exc, SwapRefused):
+        return str(exc)
+    log.error("ALOE: loading an operator for a live swap failed", exc_info=exc)
+    return f"the operator could not be loaded ({type(exc).__name__}); the server log has the details"
 
 
 class AloeWorkerExtension:
@@ -32,15 +57,24 @@ class AloeWorkerExtension:
         layers = [m for m in model.modules() if isinstance(m, AloeRowParallelLinear)]
         return layers[0] if layers else None  # None: another pipeline stage holds the layer
 
-    def aloe_stage(self, path: str) -> bool:
-        """Start loading and checking the operator at ``path`` in the background; True if this rank holds the layer.
+    def _aloe_owned(self, ticket: str) -> _Staging | None:
+        staging = getattr(self, "_aloe_staging", None)
+        return staging if staging is not None and staging.ticket == ticket else None
 
-        The engine keeps stepping meanwhile (the load reads the file and hashes it, which takes
-        a few hundred milliseconds for 10,000 edits).
+    def aloe_stage(self, path: str, ticket: str) -> dict | None:
+        """Start loading and checking the operator at ``path`` in the background, for the swap ``ticket``.
+
+        Returns ``{"state": "pending"}``, ``{"state": "busy", "error"}`` while another swap holds
+        this rank's staging slot, or None where this rank holds no ALOE layer. The engine keeps
+        stepping meanwhile (the load reads the file and hashes it, which takes a few hundred
+        milliseconds for 10,000 edits).
         """
         layer = self._aloe_layer()
         if layer is None:
-            return False
+            return None
+        held = getattr(self, "_aloe_staging", None)
+        if held is not None and held.ticket != ticket and time.monotonic() - held.started < STAGE_LEASE_S:
+            return {"state": "busy", "error": "another operator swap is in progress; retry once it has finished"}
         fut: Future = Future()
 
         def run() -> None:
@@ -49,41 +83,49 @@ class AloeWorkerExtension:
             except Exception as exc:  # reported to the client by aloe_staged
                 fut.set_exception(exc)
 
-        self._aloe_staging = fut
+        self._aloe_staging = _Staging(ticket, time.monotonic(), fut)
         threading.Thread(target=run, name="aloe-stage", daemon=True).start()
-        return True
+        return {"state": "pending"}
 
-    def aloe_staged(self) -> dict | None:
-        """``{"state": "pending" | "ok" | "error", "hash", "n", "error"}`` of the staged operator."""
+    def aloe_staged(self, ticket: str) -> dict | None:
+        """``{"state": "pending" | "ok" | "error", "hash", "n", "error"}`` of the operator staged for ``ticket``."""
         if self._aloe_layer() is None:
             return None
-        fut = getattr(self, "_aloe_staging", None)
-        if fut is None:
-            return {"state": "error", "error": "nothing staged"}
+        staging = self._aloe_owned(ticket)
+        if staging is None:
+            return {"state": "error", "error": "nothing staged for this swap (released, or taken over after its lease)"}
+        fut = staging.result
         if not fut.done():
             return {"state": "pending"}
         exc = fut.exception()
         if exc is not None:
-            reason = str(exc) if isinstance(exc, SwapRefused) else f"{type(exc).__name__}: {exc}"
-            return {"state": "error", "error": reason}
+            return {"state": "error", "error": _reason(exc)}
         op, digest = fut.result()
         return {"state": "ok", "hash": digest, "n": op.n}
 
-    def aloe_commit(self, digest: str) -> dict | None:
-        """Make the staged operator (whose hash must be ``digest``) live; returns :meth:`aloe_operator_info`.
+    def aloe_commit(self, digest: str, ticket: str) -> dict | None:
+        """Make the operator staged for ``ticket`` (whose hash must be ``digest``) live; returns
+        :meth:`aloe_operator_info`.
 
         Runs between two forward passes: vLLM executes a ``collective_rpc`` between engine steps.
+        If a write fails, the layer restores the previous operator and the error propagates.
         """
         layer = self._aloe_layer()
         if layer is None:
             return None
-        fut = getattr(self, "_aloe_staging", None)
+        staging = self._aloe_owned(ticket)
+        fut = staging.result if staging is not None else None
         if fut is None or not fut.done() or fut.exception() is not None or fut.result()[1] != digest:
-            raise RuntimeError(f"aloe_commit: operator {digest} is not the one staged on this rank")
+            raise RuntimeError(f"aloe_commit: operator {digest} is not the one staged on this rank for this swap")
         op, _ = fut.result()
-        layer.aloe_swap_(op, digest)
         self._aloe_staging = None
+        layer.aloe_swap_(op, digest)
         return layer.aloe_info()
+
+    def aloe_release(self, ticket: str) -> None:
+        """Free this rank's staging slot if the swap ``ticket`` holds it (after a commit, refusal or timeout)."""
+        if self._aloe_owned(ticket) is not None:
+            self._aloe_staging = None
 
     def aloe_operator_info(self) -> dict | None:
         """The live operator of this rank: ``n``, ``capacity``, ``operator_hash``, ``loaded_at``."""

@@ -304,3 +304,25 @@ def test_plan_o_split():
     p = P(1, 50, 24, torch.float32, False, 1, d=80, k_split=2, o_split=5)
     assert (p.o_split, p.o_per_split) == (5, 5)
     assert P(1, 50, 24, torch.float32, False, 1, d=80, o_split=5).o_split == 1  # d not split: o_split ignored
+
+
+def test_broken_split_kernels_raise_instead_of_falling_back(monkeypatch):
+    """Triton importable but the split kernels not: a clear error, never the host-syncing fallback."""
+    import sys
+
+    import aloe_kernels.ops
+    from aloe_kernels import tensor_parallel as dispatch
+
+    monkeypatch.delattr(aloe_kernels.ops, "tensor_parallel")
+    monkeypatch.setitem(sys.modules, "aloe_kernels.ops.tensor_parallel", None)  # import fails
+    dispatch._split_kernels.cache_clear()
+    h, addresses = torch.randn(3, D), torch.randn(5, D)
+    try:
+        with pytest.raises(RuntimeError, match="tensor-parallel Triton kernels do not import"):
+            dispatch.partial_scores(h, addresses)
+        with pytest.raises(RuntimeError, match="tensor-parallel Triton kernels do not import"):
+            dispatch.apply_from_scores_(
+                torch.zeros(3, D_OUT), torch.randn(3, 6), torch.zeros(5), torch.ones(5), torch.randn(5, D_OUT), 1e-6, 1e-3
+            )
+    finally:
+        dispatch._split_kernels.cache_clear()

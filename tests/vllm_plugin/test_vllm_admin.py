@@ -14,6 +14,8 @@ import asyncio
 import dataclasses
 import importlib.util
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -184,24 +186,64 @@ def test_refusals_keep_the_old_operator(live):
         assert _swap(live, "C", key=key)[0] == 401
         assert _info(live, key=key)[0] == 401
     assert vh.http_json("POST", live["url"] + "/v1/aloe/operator", {"where": "x"}, key=KEY)[0] == 400
+    # Outside the operator root (aloe serve's default: the directory holding --operator): 403.
+    outside = live["root"].parent / "outside-the-root"
+    AloeOperator.load(live["root"] / "C").save(outside)
+    status, out = vh.http_json("POST", live["url"] + "/v1/aloe/operator", {"path": str(outside)}, key=KEY)
+    assert status == 403 and "read only from under" in out["error"], out
     assert _info(live)[1] == before
     assert [_complete(live, p) for p in PROMPTS] == live["hf"]["B"]
 
 
 @pytest.mark.slow
 def test_concurrent_completions_while_swapping(live):
-    """64 completions in flight while A and B swap 10 times: none fails, each is A's or B's answer."""
+    """Completion loops run while A and B swap 10 times, with prefix caching on.
+
+    A request sent after a swap's 200 and answered before the next swap was posted ran under
+    that operator alone, so its tokens must be exactly that operator's (a stale prefix-cache
+    hit or a late commit would show here). Requests that overlap a swap may mix operators;
+    none may fail.
+    """
     assert _swap(live, "A")[0] == 200
-    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
-    with ThreadPoolExecutor(64) as pool:
-        futures = [pool.submit(_complete, live, p) for p in jobs]
-        swaps = [_swap(live, "B" if i % 2 == 0 else "A") for i in range(10)]
-        answers = [f.result() for f in futures]
-    assert [s for s, _ in swaps] == [200] * 10
     hf = live["hf"]
-    allowed = {p: (hf["A"][i], hf["B"][i]) for i, p in enumerate(PROMPTS)}
-    wrong = [(p, a) for p, a in zip(jobs, answers) if a not in allowed[p]]
+    stop = threading.Event()
+    done: list[tuple[float, float, int, list[int]]] = []  # (sent, answered, prompt index, tokens)
+
+    def loop(k: int) -> None:
+        i = k
+        while not stop.is_set():
+            p = i % len(PROMPTS)
+            sent = time.monotonic()
+            tokens = _complete(live, PROMPTS[p])
+            done.append((sent, time.monotonic(), p, tokens))
+            i += 1
+
+    windows = []  # (operator, its 200, the next swap's post)
+    with ThreadPoolExecutor(16) as pool:
+        loops = [pool.submit(loop, k) for k in range(16)]
+        current, since = "A", time.monotonic()
+        for i in range(10):
+            time.sleep(1.5)  # room for whole requests between two swaps
+            name = "B" if i % 2 == 0 else "A"
+            posted = time.monotonic()
+            status, out = _swap(live, name)
+            assert status == 200 and out["prefix_cache_reset"], out
+            windows.append((current, since, posted))
+            current, since = name, time.monotonic()
+        time.sleep(1.5)
+        stop.set()
+        for f in loops:
+            f.result()  # a failed request fails the test here
+    windows.append((current, since, float("inf")))
+    checked = [
+        (name, p, tokens)
+        for sent, answered, p, tokens in done
+        for name, start, end in windows
+        if start <= sent and answered <= end
+    ]
+    wrong = [(name, PROMPTS[p], tokens) for name, p, tokens in checked if tokens != hf[name][p]]
     assert not wrong, wrong[:3]
+    assert len(checked) >= 20 and {name for name, _, _ in checked} == {"A", "B"}, len(checked)
     assert _info(live)[1]["operator_hash"] == live["hashes"]["A"]  # the last swap went back to A
 
 
