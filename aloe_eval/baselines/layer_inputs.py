@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from aloe_build.forward import model_device
+from aloe_build.forward import StopForward, model_device
 from aloe_build.states import collect_states
 from aloe_build.tokens import batch_inputs, encode_prompt, pad_id
 from aloe_kernels.hf import decoder_layers
@@ -112,13 +112,21 @@ def residual_at_subjects(
     at = [subject_last_index(tokenizer, p, s) for p, s in zip(prompts, subjects)]
     block = decoder_layers(model)[1][layer]
     box: dict = {}
-    handle = block.register_forward_hook(lambda m, a, out: box.__setitem__("out", out[0] if isinstance(out, tuple) else out))
+
+    def keep_and_stop(module, args, out) -> None:
+        box["out"] = out[0] if isinstance(out, tuple) else out
+        raise StopForward  # the layers after this one are not needed
+
+    handle = block.register_forward_hook(keep_and_stop)
     rows = []
     try:
         for start in range(0, len(seqs), batch_size):
             chunk, idx = seqs[start : start + batch_size], at[start : start + batch_size]
             width = max(len(s) for s in chunk)
-            model(**batch_inputs(chunk, pad_id(tokenizer), model_device(model)))
+            try:
+                model(**batch_inputs(chunk, pad_id(tokenizer), model_device(model)))
+            except StopForward:
+                pass
             cols = torch.tensor([width - len(s) + i for s, i in zip(chunk, idx)])
             rows.append(box["out"][torch.arange(len(chunk)), cols].double().cpu())
     finally:

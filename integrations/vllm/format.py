@@ -82,6 +82,18 @@ def edit_share(n: int, rank: int, world: int) -> tuple[int, int]:
     return rank * n // world, (rank + 1) * n // world
 
 
+def slot_order(slots: int, world: int) -> list[int]:
+    """The slot each edit of an operator occupies, in edit order: the ranks' shares interleaved.
+
+    Edit i goes to rank ``i % world`` while every share has room (uneven shares fill in turn), so
+    any first n edits are spread over the ranks' writes instead of all landing in rank 0's share.
+    One rank: the identity.
+    """
+    shares = [edit_share(slots, r, world) for r in range(world)]
+    width = max((hi - lo for lo, hi in shares), default=0)
+    return [lo + p for p in range(width) for lo, hi in shares if lo + p < hi]
+
+
 @dataclasses.dataclass(frozen=True)
 class AloeSpec:
     """The ``aloe`` section of an exported ``config.json``."""

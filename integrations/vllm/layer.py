@@ -10,9 +10,11 @@ runs the layer's usual output all-reduce. With tensor parallelism:
 - each rank computes the partial scores and partial ``|h|^2`` of its slice
   (``aloe_vllm::partial_scores``), one all-reduce (sum) of that (T, n+1) fp32
   buffer over the TP group gives every rank the full scores;
-- rank r gates and adds the writes of its own share of the edits
-  ``[r*n//tp, (r+1)*n//tp)`` (``aloe_vllm::apply_from_scores_``), so the
-  existing output all-reduce sums ``U g`` exactly once.
+- rank r gates and adds the writes of its own share of the slots
+  ``[r*c//tp, (r+1)*c//tp)`` of the capacity c (``aloe_vllm::apply_from_scores_``),
+  so the existing output all-reduce sums ``U g`` exactly once. Edits fill the
+  slots in ``format.slot_order`` (the shares interleaved), so the writes of
+  any first n edits are spread over the ranks.
 
 With one rank this is a single pass through ``aloe_kernels.aloe_residual_``
 (``aloe_vllm::residual_``: the fused Triton kernel on CUDA), or on CPU, for
@@ -24,7 +26,7 @@ fraction of the cost).
 
 Live edits: the layer reserves ``capacity`` slots (config.json's ``aloe.capacity``,
 default n); :meth:`AloeRowParallelLinear.aloe_swap_` copies a new operator into
-the first rows of the existing tensors and makes the rest inert
+its slots of the existing tensors (the first rows with one rank) and makes the rest inert
 (``format.INERT``: gate exactly 0), so no shape or address changes. The CPU ops
 read the live count (``aloe_active``) and skip the inert slots.
 """
@@ -41,7 +43,7 @@ from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.linear import RowParallelLinear
 
 from . import ops  # noqa: F401  (importing registers the torch.ops.aloe_vllm custom ops)
-from .format import INERT, PARAM_NAMES, AloeSpec, AloeSpecError, AloeSwapFailed, edit_share
+from .format import INERT, PARAM_NAMES, AloeSpec, AloeSpecError, AloeSwapFailed, edit_share, slot_order
 from .screen import refresh_int8_screen_, refresh_screen_, screen_buffers, screen_kind
 
 __all__ = ["AloeRowParallelLinear"]
@@ -81,6 +83,7 @@ class AloeRowParallelLinear(RowParallelLinear):
         self.aloe_eps = float(spec.eps)
         self.aloe_gate_eps = float(spec.gate_eps)
         self.aloe_lo, self.aloe_hi = edit_share(self.aloe_n, self.tp_rank, self.tp_size)
+        self.aloe_slot_order = slot_order(self.aloe_n, self.tp_size)
         n_share = self.aloe_hi - self.aloe_lo
         d_shard = self.input_size_per_partition
         shapes = {
@@ -134,26 +137,38 @@ class AloeRowParallelLinear(RowParallelLinear):
         )
 
     # ---------------------------------------------------------------- loading
+    def _runs(self, name: str, n: int) -> list[tuple[int, list[int]]]:
+        """Where the first ``n`` edits sit in this rank's ``name``: (first row, the edits from there on).
+
+        Edits occupy slots in :func:`slot_order` (the ranks' shares interleaved), so each share
+        holds its edits in its leading rows: addresses (every slot) have one run per share,
+        the other fields (this rank's share only) one run.
+        """
+        order = self.aloe_slot_order[:n]
+        if name == "aloe_addresses":
+            shares, base = [edit_share(self.aloe_n, r, self.tp_size) for r in range(self.tp_size)], 0
+        else:
+            shares, base = [(self.aloe_lo, self.aloe_hi)], self.aloe_lo
+        return [(lo - base, [i for i, slot in enumerate(order) if lo <= slot < hi]) for lo, hi in shares]
+
     def _place_rows(self, name: str, rows: torch.Tensor) -> None:
         """Write the full (unsharded) edit rows ``rows`` (n, ...) into this rank's part of ``name``.
 
         Addresses keep every edit (this rank's columns of d); the other fields keep the rank's
-        share of slots. Slots from n up to the previously live count are reset to inert (later
-        ones already are), so a smaller operator leaves no stale edit behind.
+        share of slots. Rows the previously live edits held past the new ones are reset to
+        inert (later ones already are), so a smaller operator leaves no stale edit behind.
         """
         param = getattr(self, name)
-        n, prev = rows.shape[0], self.aloe_active_n
         if name == "aloe_addresses":
-            lo, hi = 0, self.aloe_n
             rows = rows.narrow(1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
-        else:
-            lo, hi = self.aloe_lo, self.aloe_hi
-        k = max(0, min(hi, n) - lo)
-        if k:
-            param.data[:k].copy_(rows[lo : lo + k])
-        stale = max(0, min(hi, max(prev, n)) - lo)
-        if stale > k:
-            param.data[k:stale].fill_(INERT[name.removeprefix("aloe_")])
+        runs = zip(self._runs(name, rows.shape[0]), self._runs(name, self.aloe_active_n))
+        for (start, edits), (_, before) in runs:
+            k = len(edits)
+            if k:  # one rank: the edits are 0..n-1 in order, a plain slice
+                src = rows[edits[0] : edits[0] + k] if edits[-1] - edits[0] == k - 1 else rows[edits]
+                param.data[start : start + k].copy_(src)
+            if len(before) > k:
+                param.data[start + k : start + len(before)].fill_(INERT[name.removeprefix("aloe_")])
 
     def _make_aloe_loader(self, name: str):
         spec = self.aloe_spec
@@ -227,25 +242,21 @@ class AloeRowParallelLinear(RowParallelLinear):
         if self.aloe_screen is not None:
             self._aloe_refresh_screen()
 
-    def _aloe_live_rows(self, name: str, n: int) -> int:
-        """How many leading rows of this rank's ``name`` hold the first ``n`` edits."""
-        if name == "aloe_addresses":
-            return n
-        return max(0, min(self.aloe_hi, n) - self.aloe_lo)
-
     def _aloe_snapshot(self) -> dict:
         """This rank's live rows on the host, and the live count: what a failed swap writes back."""
         n = self.aloe_active_n
-        return {
-            "n": n,
-            **{name: getattr(self, name).data[: self._aloe_live_rows(name, n)].to("cpu", copy=True) for name in PARAM_NAMES},
-        }
+        saved = {"n": n}
+        for name in PARAM_NAMES:
+            data = getattr(self, name).data
+            saved[name] = [(start, data[start : start + len(edits)].to("cpu", copy=True)) for start, edits in self._runs(name, n)]
+        return saved
 
     def _restore_rows(self, name: str, before: dict) -> None:
-        """Write back the snapshot's rows of ``name``; every later row becomes inert again."""
-        param, saved = getattr(self, name), before[name]
-        param.data[: saved.shape[0]].copy_(saved)
-        param.data[saved.shape[0] :].fill_(INERT[name.removeprefix("aloe_")])
+        """Write back the snapshot's rows of ``name``; every other row becomes inert again."""
+        param = getattr(self, name)
+        param.data.fill_(INERT[name.removeprefix("aloe_")])
+        for start, rows in before[name]:
+            param.data[start : start + rows.shape[0]].copy_(rows)
 
     def aloe_info(self) -> dict:
         """The live operator: ``n``, ``capacity``, ``operator_hash``, ``loaded_at`` (Unix seconds)."""

@@ -178,7 +178,8 @@ def tiny_swap(tmp_path_factory):
 def test_offline_swap_tp1_and_tp2(tiny_swap, tmp_path):
     """``swap_operator`` on ``vllm.LLM``: A, swap to B, back to A; TP=2 gives the same tokens as one rank.
 
-    Capacity 5 over two ranks puts the added edit (slot 2) in rank 1's share of the writes.
+    Capacity 5 over two ranks: A's two edits sit on different ranks (slots 0 and 2), B's added edit in rank 0's
+    share (slot 1; `format.slot_order`).
     """
     t = tiny_swap
     run = {
@@ -196,3 +197,22 @@ def test_offline_swap_tp1_and_tp2(tiny_swap, tmp_path):
     assert tp1_int8 == want  # the int8 screen is prepared again for each operator swapped in
     (tp2,) = run_vllm_generate([run], tp=2, env=vllm_env(2))
     assert tp2 == tp1
+
+
+def test_compiled_server_swaps_in_place(tiny_swap):
+    """Without --enforce-eager (vLLM's compiled graph): A -> B -> A gives the eager tokens, and every
+    swap copies into the same storage (the compiled graph keeps reading the live tensors)."""
+    t = tiny_swap
+    run = {
+        "model": str(t["serve"]),
+        "prompt_token_ids": t["ids"],
+        "max_tokens": TOKENS,
+        "eager": False,
+        "swaps": [str(t["root"] / "B"), str(t["root"] / "A")],
+        "pointers": True,
+        "env": {"ALOE_VLLM_SCREEN": "0"},
+    }
+    (compiled,) = run_vllm_generate([run], env=vllm_env(1))
+    assert compiled["tokens"] == [t["hf"]["A"], t["hf"]["B"], t["hf"]["A"]]
+    first = compiled["pointers"][0]
+    assert all(p == first for p in compiled["pointers"]), compiled["pointers"]

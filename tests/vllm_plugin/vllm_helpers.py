@@ -371,6 +371,8 @@ def run_vllm_generate(
     and optionally ``"env": {...}`` applied before the run (e.g. ``TRITON_INTERPRET``) and
     ``"swaps": [operator_dir, ...]``: generate, then for each directory swap it in with
     ``aloe_vllm.swap.swap_operator`` and generate again (the run's result is then one list per phase).
+    With ``"pointers": true`` the result is ``{"tokens": ..., "pointers": [...]}``: after each phase,
+    every rank's ``data_ptr`` of the ALOE parameters.
     Runs execute one after another in the same child (each LLM is torn down
     before the next). Raises RuntimeError with the child's output tail on failure.
     """
@@ -394,6 +396,14 @@ def run_vllm_generate(
             tail = (proc.stdout + proc.stderr)[-6000:]
             raise RuntimeError(f"vLLM child failed (rc={proc.returncode}):\n{tail}")
         return json.loads(out.read_text())["results"]
+
+
+def _aloe_storage(worker) -> dict[str, int]:
+    """On a worker: where the ALOE layer's parameters live (``data_ptr``), to see that swaps copy in place."""
+    from aloe_vllm.format import PARAM_NAMES
+
+    layer = worker._aloe_layer()
+    return {name: getattr(layer, name).data_ptr() for name in PARAM_NAMES}
 
 
 def _child_main(spec_path: str, out_path: str) -> None:
@@ -424,13 +434,16 @@ def _child_main(spec_path: str, out_path: str) -> None:
             temperature=0.0, max_tokens=int(run["max_tokens"]), ignore_eos=False, detokenize=token_ids is None
         )
         prompts = [{"prompt_token_ids": ids} for ids in token_ids] if token_ids is not None else run["prompts"]
-        phases = []
+        phases, pointers = [], []
         for swap in [None, *run.get("swaps", [])]:
             if swap is not None:
                 swap_operator(llm, swap)
             outs = llm.generate(prompts, params, use_tqdm=False)
             phases.append([list(o.outputs[0].token_ids) for o in outs])
-        results.append(phases if "swaps" in run else phases[0])
+            if run.get("pointers"):
+                pointers.append(llm.collective_rpc(_aloe_storage))
+        result = phases if "swaps" in run else phases[0]
+        results.append({"tokens": result, "pointers": pointers} if run.get("pointers") else result)
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
