@@ -175,6 +175,12 @@ def tiny_swap(tmp_path_factory):
     return dict(root=root, serve=serve, ids=[tok(p).input_ids for p in prompts], hf=hf)
 
 
+def _a_b_a(t: dict, **run) -> dict:
+    """A ``run_vllm_generate`` run of the tiny served model: A, swap to B, back to A."""
+    swaps = [str(t["root"] / "B"), str(t["root"] / "A")]
+    return {"model": str(t["serve"]), "prompt_token_ids": t["ids"], "max_tokens": TOKENS, "swaps": swaps, **run}
+
+
 def test_offline_swap_tp1_and_tp2(tiny_swap, tmp_path):
     """``swap_operator`` on ``vllm.LLM``: A, swap to B, back to A; TP=2 gives the same tokens as one rank.
 
@@ -182,13 +188,7 @@ def test_offline_swap_tp1_and_tp2(tiny_swap, tmp_path):
     share (slot 1; `format.slot_order`).
     """
     t = tiny_swap
-    run = {
-        "model": str(t["serve"]),
-        "prompt_token_ids": t["ids"],
-        "max_tokens": TOKENS,
-        "eager": True,
-        "swaps": [str(t["root"] / "B"), str(t["root"] / "A")],
-    }
+    run = _a_b_a(t, eager=True)
     want = [t["hf"]["A"], t["hf"]["B"], t["hf"]["A"]]
     tp1, tp1_int8 = run_vllm_generate(
         [{**run, "env": {"ALOE_VLLM_SCREEN": "0"}}, {**run, "env": {"ALOE_VLLM_SCREEN": "int8"}}], env=vllm_env(1)
@@ -203,15 +203,7 @@ def test_compiled_server_swaps_in_place(tiny_swap):
     """Without --enforce-eager (vLLM's compiled graph): A -> B -> A gives the eager tokens, and every
     swap copies into the same storage (the compiled graph keeps reading the live tensors)."""
     t = tiny_swap
-    run = {
-        "model": str(t["serve"]),
-        "prompt_token_ids": t["ids"],
-        "max_tokens": TOKENS,
-        "eager": False,
-        "swaps": [str(t["root"] / "B"), str(t["root"] / "A")],
-        "pointers": True,
-        "env": {"ALOE_VLLM_SCREEN": "0"},
-    }
+    run = _a_b_a(t, eager=False, pointers=True, env={"ALOE_VLLM_SCREEN": "0"})
     (compiled,) = run_vllm_generate([run], env=vllm_env(1))
     assert compiled["tokens"] == [t["hf"]["A"], t["hf"]["B"], t["hf"]["A"]]
     first = compiled["pointers"][0]
