@@ -37,6 +37,7 @@ from .launch_plan import (
     MODE_PARTIAL,
     block_meta,
     launch_params,
+    may_autotune,
     n_bucket,
     plan_launch,
     reduce_blocks,
@@ -79,6 +80,10 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
     blocks = resolve_blocks(T, interpret, *blocks_given, wide=wide)
     # fp32 tiles take the fixed fp32 blocks: the autotuning space is sized for 16-bit tiles.
     tuned = not (interpret or deterministic or explicit or wide)
+    if tuned:  # Triton's autotune keys, with the dtypes it adds to them
+        key = (t_bucket(T), n_bucket(n), d, d_out, plan.mode, from_scores, plan.k_split, plan.d_per_split,
+               plan.o_split, *(str(t.dtype) for t in (src, a, writes, y2)))
+        tuned = may_autotune(key, y2.device)
     src_strides = (0, src.stride(0), src.stride(1))
     cast_scores = interpret or (not from_scores and src.dtype != a.dtype)
     with device_guard(y2):

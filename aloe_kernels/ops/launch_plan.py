@@ -23,7 +23,9 @@ taller than the token count are pruned, and so are the tiles that spill when
 the gate reads a scores buffer. Tuning runs once per key, restoring
 ``y`` where the kernel adds into it (direct and atomic modes; the partial
 mode's workspace is rewritten and is not restored), so warm up before
-CUDA-graph capture. Deterministic mode uses a fixed configuration chosen from
+CUDA-graph capture. A key first met during capture (where benchmarking would
+fail) runs with the fixed blocks instead, with a warning (:func:`may_autotune`).
+Deterministic mode uses a fixed configuration chosen from
 the shapes, so its bits do not depend on timing noise across processes; so do
 explicit block sizes and fp32 input tiles (the autotuning space is sized for
 16-bit tiles; fp32 ones take narrower fixed blocks). Every configuration of
@@ -38,6 +40,7 @@ sizes can be passed explicitly (``block_t``, ``block_n``, ``block_d``,
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +58,7 @@ __all__ = [
     "block_meta",
     "gate_configs",
     "launch_params",
+    "may_autotune",
     "n_bucket",
     "plan_launch",
     "prune_gate_configs",
@@ -147,6 +151,32 @@ def reduce_blocks(T: int, n_split: int, d_out: int, block_o: int = 0) -> dict:
     bo = block_o if block_o > 0 else (64 if T < 16 else 128)
     bt = max(1, min(32, 1 << max(0, (T - 1).bit_length()), 4096 // (bs * bo)))
     return {"BLOCK_S": bs, "BLOCK_T": bt, "BLOCK_O": bo}
+
+
+#: Launch keys already run through the autotuned kernels (each benchmarked its configurations then).
+_AUTOTUNED: set[tuple] = set()
+
+
+def may_autotune(key: tuple, device: torch.device) -> bool:
+    """Whether a launch with ``key`` may take the autotuned kernels.
+
+    The first tuned launch of a key benchmarks every configuration and synchronises the host,
+    which CUDA-graph capture forbids. Outside capture: yes, and the key is remembered. During
+    capture: only for a key already tuned; a new one runs with the fixed blocks (a warning says
+    so, since the captured graph then keeps them).
+    """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if key in _AUTOTUNED:
+            return True
+        warnings.warn(
+            f"ALOE kernel: launch key {key} first met during CUDA-graph capture; it runs with fixed blocks "
+            "(warm up with this batch size before capture to autotune it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    _AUTOTUNED.add(key)
+    return True
 
 
 def plan_launch(

@@ -26,7 +26,7 @@ from ..runtime import triton_interpreting
 from .aloe_gate import _flat_rows, _run_gate, _wide_tiles, _y_rows, device_guard, launch_scores
 from .checks import PARAM_DTYPES, check_devices, check_eps, check_params, check_tensor, check_y
 from .gate_kernels import jit_kernels
-from .launch_plan import resolve_blocks
+from .launch_plan import may_autotune, n_bucket, resolve_blocks, t_bucket
 
 __all__ = ["aloe_gate_apply_", "aloe_gate_partial_scores"]
 
@@ -54,10 +54,11 @@ def _partial_scores_op(
     explicit = block_t > 0 or block_n > 0 or block_d > 0
     wide = _wide_tiles(h2, addresses)
     blocks = resolve_blocks(T, interpret, block_t, block_n, block_d, 0, wide=wide)
+    tuned = not (interpret or explicit or wide) and may_autotune(
+        ("scores", t_bucket(T), n_bucket(n), d, str(h2.dtype), str(addresses.dtype)), h2.device
+    )
     with device_guard(h2):
-        out = launch_scores(
-            jit_kernels(interpret), h2, addresses, 1, d, False, blocks, not (interpret or explicit or wide), interpret
-        )
+        out = launch_scores(jit_kernels(interpret), h2, addresses, 1, d, False, blocks, tuned, interpret)
     return out.view(*lead, n + 1)
 
 

@@ -326,3 +326,22 @@ def test_broken_split_kernels_raise_instead_of_falling_back(monkeypatch):
             )
     finally:
         dispatch._split_kernels.cache_clear()
+
+
+def test_autotuning_never_starts_during_graph_capture(monkeypatch):
+    """A key first met while a CUDA graph is captured takes the fixed blocks (a warning says so);
+    one tuned before capture keeps its tuned kernel; outside capture every key may tune."""
+    from aloe_kernels.ops import launch_plan
+
+    monkeypatch.setattr(launch_plan, "_AUTOTUNED", set())
+    cuda = torch.device("cuda")
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert launch_plan.may_autotune(("warm",), cuda)  # eager warm-up tunes it
+    capturing[0] = True
+    assert launch_plan.may_autotune(("warm",), cuda)
+    with pytest.warns(RuntimeWarning, match="first met during CUDA-graph capture"):
+        assert not launch_plan.may_autotune(("cold",), cuda)
+    capturing[0] = False
+    assert launch_plan.may_autotune(("cold",), cuda)
+    assert launch_plan.may_autotune(("cpu",), torch.device("cpu"))
