@@ -22,20 +22,36 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def kernel_available() -> bool:
-    """Whether Triton is importable (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)."""
+def _triton_import_error() -> str | None:
+    """Why Triton does not import here, or None when it does."""
     try:
         import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def kernel_available() -> bool:
+    """Whether Triton is importable (the kernels run on CUDA, or on CPU under TRITON_INTERPRET=1)."""
+    return _triton_import_error() is None
 
 
 def use_fused_kernel(h: torch.Tensor) -> bool:
-    """Whether a call on ``h``'s device takes the Triton kernel (dtypes aside: see :func:`kernel_dtypes`)."""
+    """Whether a call on ``h``'s device takes the Triton kernel (dtypes aside: see :func:`kernel_dtypes`).
+
+    On CUDA the kernel is required: without Triton this raises, naming the import error, rather
+    than falling back to the PyTorch path, which synchronises the host (``nonzero``) and cannot be
+    captured in a CUDA graph.
+    """
     if not (h.is_cuda or triton_interpreting()):
         return False
-    return kernel_available()
+    missing = _triton_import_error()
+    if missing is not None and h.is_cuda:
+        raise RuntimeError(
+            f"ALOE on CUDA runs its fused Triton kernel, and Triton does not import ({missing}); install the "
+            "Triton that matches this PyTorch"
+        )
+    return missing is None
 
 
 def kernel_dtypes(*tensors: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ from pathlib import Path
 from benchmarks.bench_vllm import PROMPTS, _calibration_texts, _cpu, _states, _versions
 
 PROBE = ("The Eiffel Tower is located in the city of", "Rome")
-KEY = "bench-admin-key"
+KEY = "bench-admin-key-0123456789"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -133,7 +133,7 @@ class Server:
         port = 8000 + os.getpid() % 1000
         self.url, self.model = f"http://127.0.0.1:{port}", str(model)
         cmd = serve_command(model, "127.0.0.1", port, ["--dtype", "float32", "--max-model-len", "512"], live_edits=True)
-        env = {**os.environ, "ALOE_ADMIN_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env = {**os.environ, "ALOE_ADMIN_KEY": KEY, "ALOE_ADMIN_ROOT": str(self.work), "VLLM_CPU_KVCACHE_SPACE": "2"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.log = (work / "server.log").open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -24,7 +24,8 @@ the gate reads a scores buffer. Tuning runs once per key, restoring
 ``y`` where the kernel adds into it (direct and atomic modes; the partial
 mode's workspace is rewritten and is not restored), so warm up before
 CUDA-graph capture. A key first met during capture (where benchmarking would
-fail) runs with the fixed blocks instead, with a warning (:func:`may_autotune`).
+fail) runs with the fixed blocks instead, with a warning (:func:`may_autotune`);
+``ALOE_KERNEL_AUTOTUNE=0`` makes every launch take them (no benchmarking at startup).
 Deterministic mode uses a fixed configuration chosen from
 the shapes, so its bits do not depend on timing noise across processes; so do
 explicit block sizes and fp32 input tiles (the autotuning space is sized for
@@ -40,6 +41,7 @@ sizes can be passed explicitly (``block_t``, ``block_n``, ``block_d``,
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -153,6 +155,8 @@ def reduce_blocks(T: int, n_split: int, d_out: int, block_o: int = 0) -> dict:
     return {"BLOCK_S": bs, "BLOCK_T": bt, "BLOCK_O": bo}
 
 
+#: ``ALOE_KERNEL_AUTOTUNE=0``: every launch takes the fixed blocks (no benchmarking at startup).
+AUTOTUNE_ENV = "ALOE_KERNEL_AUTOTUNE"
 #: Launch keys already run through the autotuned kernels (each benchmarked its configurations then).
 _AUTOTUNED: set[tuple] = set()
 
@@ -163,8 +167,10 @@ def may_autotune(key: tuple, device: torch.device) -> bool:
     The first tuned launch of a key benchmarks every configuration and synchronises the host,
     which CUDA-graph capture forbids. Outside capture: yes, and the key is remembered. During
     capture: only for a key already tuned; a new one runs with the fixed blocks (a warning says
-    so, since the captured graph then keeps them).
+    so, since the captured graph then keeps them). Never with ``ALOE_KERNEL_AUTOTUNE=0``.
     """
+    if os.environ.get(AUTOTUNE_ENV, "1") == "0":
+        return False
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if key in _AUTOTUNED:
             return True

@@ -1,22 +1,26 @@
 """``/v1/aloe/operator`` on vLLM's OpenAI-compatible server: live operator swaps over HTTP.
 
-Installed through vLLM's own extension points (``aloe serve --admin-key`` adds both):
+Installed through vLLM's own extension points (``aloe serve`` adds both when it has an admin key):
 ``--middleware aloe_vllm.admin.AloeAdminMiddleware`` (this ASGI middleware,
 which answers the one path and passes everything else through) and
 ``--worker-extension-cls aloe_vllm.worker.AloeWorkerExtension`` (the worker
 side). The admin key comes from the environment variable ``ALOE_ADMIN_KEY``
-(kept off the server's command line); without it the path is not served (404
-from vLLM, as for any unknown path). Operators are read only from directories
-under ``ALOE_OPERATOR_ROOT`` (``aloe serve --operator-root``, by default the
+(kept off the server's command line; at least 16 characters, or the server does
+not start); without it the path is not served (404 from vLLM, as for any
+unknown path). Operators are read only from directories
+under ``ALOE_ADMIN_ROOT`` (``aloe serve --admin-root``, by default the
 directory that holds the served operator); without it every swap is refused.
 
-- ``GET /v1/aloe/operator`` -> ``{"n", "capacity", "operator_hash", "loaded_at", "ranks"}``;
+- ``GET /v1/aloe/operator`` -> ``{"n", "capacity", "operator_hash", "loaded_at", "ranks",
+  "rank_hashes"}`` (500 if the ranks serve different operators);
 - ``POST /v1/aloe/operator`` with ``{"path": DIR}`` -> the same for the new operator, once
   it is live, plus ``"prefix_cache_reset"``. Answers that change nothing: 400 (malformed
   request), 403 (a path outside the operator root), 409 (another swap is in progress,
   perhaps from another API-server process), 422 (a refused operator, with the reason),
-  501 (data parallelism: vLLM would report only the first engine's answers).
-  500 means the swap failed after it began: the body's ``operator`` is what serves now.
+  501 (data parallelism, where vLLM would report only the first engine's answers, or a KV
+  connector, with which the prefix cache cannot be reset).
+  500 means the swap failed after it began (a rank's write failed: every rank is back on the
+  old operator; or the prefix cache could not be reset): the body's ``operator`` is what serves.
 
 Both need ``Authorization: Bearer KEY`` (401 otherwise, nothing changes).
 Swaps are serialized; the protocol (stage in the background, commit between
@@ -42,10 +46,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .format import ADMIN_KEY_ENV, OPERATOR_ROOT_ENV
-from .swap import RanksDisagree, SwapBusy, SwapRefused, new_ticket, operator_info, staged_hash
+from .format import ADMIN_KEY_ENV, ADMIN_ROOT_ENV, AloeSwapFailed, check_admin_key
+from .swap import RanksDisagree, SwapBusy, SwapRefused, committed_info, new_ticket, operator_info, staged_hash
 
-__all__ = ["ADMIN_KEY_ENV", "OPERATOR_ROOT_ENV", "ROUTE", "AloeAdminMiddleware"]
+__all__ = ["ADMIN_KEY_ENV", "ADMIN_ROOT_ENV", "ROUTE", "AloeAdminMiddleware"]
 
 log = logging.getLogger("aloe_vllm")
 
@@ -81,7 +85,7 @@ async def _swap(engine, path: str) -> dict:
             if time.monotonic() > deadline:
                 raise SwapRefused(f"{path}: not loaded after {_STAGE_TIMEOUT_S:.0f}s")
             await asyncio.sleep(_POLL_S)
-        info = operator_info(await engine.collective_rpc("aloe_commit", args=(digest, ticket)))
+        info = committed_info(await engine.collective_rpc("aloe_commit", args=(digest, ticket)))
     finally:
         await engine.collective_rpc("aloe_release", args=(ticket,))
     try:
@@ -90,6 +94,15 @@ async def _swap(engine, path: str) -> dict:
         log.exception("ALOE: the operator swapped but the prefix cache could not be reset")
         reset = False
     return {**info, "prefix_cache_reset": reset}
+
+
+def _unsupported(config) -> str | None:
+    """Why this server cannot swap safely, or None."""
+    if getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1) > 1:
+        return "with data parallelism (vLLM runs the RPCs on every engine but returns only the first one's answers)"
+    if getattr(config, "kv_transfer_config", None) is not None:
+        return "with a KV connector (vLLM cannot reset the prefix cache while KV is in transfer)"
+    return None
 
 
 async def _live_or_unknown(engine) -> dict | str:
@@ -107,8 +120,10 @@ class AloeAdminMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         key = os.environ.get(ADMIN_KEY_ENV, "")
+        if key:
+            check_admin_key(key)  # a short key stops the server at startup rather than serving weakly
         self.key_hash = hashlib.sha256(key.encode()).digest() if key else None
-        root = os.environ.get(OPERATOR_ROOT_ENV, "")
+        root = os.environ.get(ADMIN_ROOT_ENV, "")
         self.root = Path(root).expanduser().resolve() if root else None
         self.lock = asyncio.Lock()
 
@@ -139,25 +154,31 @@ class AloeAdminMiddleware:
         path = body.get("path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             return JSONResponse({"error": 'expected a JSON object {"path": "<operator directory>"}'}, 400)
-        parallel = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
-        if getattr(parallel, "data_parallel_size", 1) > 1:
-            # vLLM runs the RPCs on every engine but returns the first one's answers only.
-            return JSONResponse({"error": "live swaps are not supported with data parallelism"}, 501)
+        unsupported = _unsupported(getattr(engine, "vllm_config", None))
+        if unsupported:
+            return JSONResponse({"error": f"live swaps are not supported {unsupported}"}, 501)
         where = _under_root(path, self.root)
         if where is None:
             why = (
                 f"operators are read only from under {self.root}"
                 if self.root is not None
-                else f"the server was started without {OPERATOR_ROOT_ENV}, so it reads no operator (aloe serve sets it)"
+                else f"the server was started without {ADMIN_ROOT_ENV}, so it reads no operator (aloe serve sets it)"
             )
             return JSONResponse({"error": f"{path}: refused; {why}"}, 403)
         async with self.lock:  # one swap at a time per API process; the workers' staging slot covers the rest
             try:
-                return JSONResponse(await _swap(engine, str(where)))
+                out = await _swap(engine, str(where))
+                if not out["prefix_cache_reset"]:  # live, but cached KV of the old operator may be read
+                    error = "the operator is live but the prefix cache could not be reset; reset it before relying on answers"
+                    return JSONResponse({"error": error, "operator": out}, 500)
+                return JSONResponse(out)
             except SwapBusy as exc:
                 return JSONResponse({"error": str(exc)}, 409)
             except SwapRefused as exc:
                 return JSONResponse({"error": str(exc)}, 422)
+            except AloeSwapFailed as exc:  # a rank's write failed; every rank is back on the old operator
+                log.error("ALOE: live swap of %s failed: %s", where, exc)
+                return JSONResponse({"error": str(exc), "operator": exc.operator}, 500)
             except Exception as exc:
                 log.exception("ALOE: live swap of %s failed", where)
                 return JSONResponse(

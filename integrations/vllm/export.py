@@ -45,15 +45,17 @@ from aloe_kernels.operator import AloeOperator, weight_fingerprint
 
 from .format import (
     ADMIN_KEY_ENV,
+    ADMIN_KEY_MIN_CHARS,
+    ADMIN_ROOT_ENV,
     ARCHITECTURES,
     BASE_ARCHITECTURES,
     CONFIG_KEY,
     EDITS_FILE,
-    OPERATOR_ROOT_ENV,
     SAFE_INDEX,
     TENSORS_FILE,
     AloeSpec,
     AloeSpecError,
+    check_admin_key,
     down_proj_prefix,
     tensor_names,
 )
@@ -375,14 +377,40 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_key(args: argparse.Namespace) -> str | None:
+    """The live-swap key: from ``--admin-key-file`` or the environment (never the command line); None: no live edits."""
+    if args.admin_key is not None:
+        raise AloeSpecError(
+            "--admin-key would leave the key in the process list and the shell history; "
+            f"set {ADMIN_KEY_ENV} or pass --admin-key-file FILE"
+        )
+    if args.admin_key_file:
+        path = Path(args.admin_key_file).expanduser()
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise AloeSpecError(f"--admin-key-file {path}: {exc.strerror or exc}") from exc
+        if not key:
+            raise AloeSpecError(f"--admin-key-file {path}: empty")
+    else:
+        key = os.environ.get(ADMIN_KEY_ENV, "")
+    if key:
+        check_admin_key(key)
+    return key or None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     extra = list(args.vllm_args or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    if (args.max_edits is not None or args.admin_key) and not args.operator:
-        raise AloeSpecError("--max-edits and --admin-key need --operator (the layer and base it edits)")
-    if args.operator_root and not args.admin_key:
-        raise AloeSpecError("--operator-root needs --admin-key (it bounds where live swaps read operators)")
+    key = _admin_key(args)
+    if (args.max_edits is not None or key) and not args.operator:
+        raise AloeSpecError(
+            f"--max-edits and live edits (a key in {ADMIN_KEY_ENV} or --admin-key-file) need --operator "
+            "(the layer and base it edits)"
+        )
+    if args.admin_root and not key:
+        raise AloeSpecError(f"--admin-root needs an admin key ({ADMIN_KEY_ENV} or --admin-key-file)")
     base_dir = resolve_base(args.model)
     if args.operator:
         out = Path(args.out) if args.out else default_export_dir(base_dir, args.operator)
@@ -391,14 +419,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         model_dir = base_dir
     env = dict(os.environ)
-    if args.admin_key:
-        env[ADMIN_KEY_ENV] = args.admin_key  # read by aloe_vllm.admin; kept off the server's argv
-        root = Path(args.operator_root or Path(args.operator).expanduser().resolve().parent).expanduser().resolve()
+    if key:
+        env[ADMIN_KEY_ENV] = key  # read by aloe_vllm.admin; kept off the server's argv
+        root = Path(args.admin_root or Path(args.operator).expanduser().resolve().parent).expanduser().resolve()
         if not root.is_dir():
-            raise AloeSpecError(f"--operator-root {root}: not a directory")
-        env[OPERATOR_ROOT_ENV] = str(root)
+            raise AloeSpecError(f"--admin-root {root}: not a directory")
+        env[ADMIN_ROOT_ENV] = str(root)
         print(f"aloe serve: live swaps read operators under {root}", file=sys.stderr, flush=True)
-    cmd = serve_command(model_dir, args.host, args.port, extra, live_edits=bool(args.admin_key))
+    cmd = serve_command(model_dir, args.host, args.port, extra, live_edits=bool(key))
     print("aloe serve: " + " ".join(cmd), file=sys.stderr, flush=True)
     if args.dry_run:
         print(" ".join(cmd))
@@ -432,9 +460,15 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
-    p.add_argument("--admin-key", default=None, help="enable GET/POST /v1/aloe/operator (live swaps) behind this bearer key")
     p.add_argument(
-        "--operator-root",
+        "--admin-key-file",
+        default=None,
+        help=f"enable GET/POST /v1/aloe/operator (live swaps) behind the bearer key in this file "
+        f"(or set {ADMIN_KEY_ENV}; at least {ADMIN_KEY_MIN_CHARS} characters)",
+    )
+    p.add_argument("--admin-key", default=None, help=argparse.SUPPRESS)  # refused: see _admin_key
+    p.add_argument(
+        "--admin-root",
         default=None,
         help="live swaps read operators only from under this directory (default: the one holding --operator)",
     )

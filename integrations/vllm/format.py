@@ -38,7 +38,17 @@ SAFE_INDEX = "model.safetensors.index.json"
 #: The environment variables of the live-swap endpoint (``aloe_vllm.admin``): its bearer key,
 #: and the directory under which it reads operators.
 ADMIN_KEY_ENV = "ALOE_ADMIN_KEY"
-OPERATOR_ROOT_ENV = "ALOE_OPERATOR_ROOT"
+ADMIN_ROOT_ENV = "ALOE_ADMIN_ROOT"
+#: The shortest admin key accepted.
+ADMIN_KEY_MIN_CHARS = 16
+
+
+def check_admin_key(key: str) -> None:
+    """AloeSpecError unless ``key`` is long enough to stand as the live-swap endpoint's bearer key."""
+    if len(key) < ADMIN_KEY_MIN_CHARS:
+        raise AloeSpecError(f"{ADMIN_KEY_ENV}: the admin key needs at least {ADMIN_KEY_MIN_CHARS} characters, got {len(key)}")
+
+
 PARAM_NAMES = ("aloe_addresses", "aloe_thresholds", "aloe_temperatures", "aloe_writes")
 #: Base architecture -> ALOE architecture registered with vLLM.
 ARCHITECTURES = {

@@ -199,7 +199,7 @@ class AloeRowParallelLinear(RowParallelLinear):
         return loader
 
     # ---------------------------------------------------------------- live swap
-    def aloe_swap_(self, op: AloeOperator, operator_hash: str) -> None:
+    def aloe_swap_(self, op: AloeOperator, operator_hash: str) -> dict:
         """Replace the live operator by ``op`` (already validated: ``aloe_vllm.swap.check_for_swap``), in place.
 
         Only the contents of the existing tensors change (their shapes and addresses stay), so
@@ -209,7 +209,8 @@ class AloeRowParallelLinear(RowParallelLinear):
         All or nothing: the new rows are cast on the host first (so the writes allocate nothing
         on the device), and this rank's live rows are copied to the host before the first
         write; if any write fails, they are written back and AloeSwapFailed says so. If even
-        that fails, the operator hash becomes ``"unknown"``.
+        that fails, the operator hash becomes ``"unknown"``. Returns that copy, for
+        :meth:`aloe_undo_` (when another rank's swap failed).
         """
         if op.n > self.aloe_n:
             raise AloeSpecError(f"{self.prefix}: {op.n} edits do not fit in {self.aloe_n} slots")
@@ -219,7 +220,7 @@ class AloeRowParallelLinear(RowParallelLinear):
             self._aloe_write_(lambda name: self._place_rows(name, rows[name]), op.n)
         except Exception as exc:
             try:
-                self._aloe_write_(lambda name: self._restore_rows(name, before), before["n"])
+                self.aloe_undo_(before)
             except Exception as again:
                 self.aloe_operator_hash = "unknown"
                 raise AloeSwapFailed(
@@ -232,6 +233,12 @@ class AloeRowParallelLinear(RowParallelLinear):
             ) from exc
         self.aloe_operator_hash = operator_hash
         self.aloe_loaded_at = time.time()
+        return before
+
+    def aloe_undo_(self, before: dict) -> None:
+        """Make the operator of a snapshot (:meth:`aloe_swap_`'s return) live again."""
+        self._aloe_write_(lambda name: self._restore_rows(name, before), before["n"])
+        self.aloe_operator_hash, self.aloe_loaded_at = before["hash"], before["loaded_at"]
 
     def _aloe_write_(self, place, n: int) -> None:
         """Write every operator tensor (``place(name)``), then the live count and the screen."""
@@ -243,9 +250,9 @@ class AloeRowParallelLinear(RowParallelLinear):
             self._aloe_refresh_screen()
 
     def _aloe_snapshot(self) -> dict:
-        """This rank's live rows on the host, and the live count: what a failed swap writes back."""
+        """This rank's live rows on the host, the live count and hash: what a failed swap writes back."""
         n = self.aloe_active_n
-        saved = {"n": n}
+        saved = {"n": n, "hash": self.aloe_operator_hash, "loaded_at": self.aloe_loaded_at}
         for name in PARAM_NAMES:
             data = getattr(self, name).data
             saved[name] = [(start, data[start : start + len(edits)].to("cpu", copy=True)) for start, edits in self._runs(name, n)]

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from aloe_kernels.errors import ArtifactError
 from aloe_kernels.operator import SUPPORTED_DTYPES, AloeOperator, artifact_files
 
-from .format import AloeSpec, AloeSpecError
+from .format import AloeSpec, AloeSpecError, AloeSwapFailed
 
 __all__ = [
     "EXTENSION",
@@ -47,6 +47,7 @@ __all__ = [
     "SwapBusy",
     "SwapRefused",
     "check_for_swap",
+    "committed_info",
     "load_for_swap",
     "operator_info",
     "precheck_for_swap",
@@ -81,11 +82,12 @@ _HEADER_SLACK_BYTES = 1 << 20
 
 
 def precheck_for_swap(path: str | os.PathLike, spec: AloeSpec) -> None:
-    """Refuse the artifact at ``path`` from its config and file sizes alone, before any tensor is read.
+    """Refuse the artifact at ``path`` from its config, file sizes and tensor header, before any tensor is read.
 
     An oversized or mislabelled artifact must not be loaded into host memory on every rank just
     to be refused: the config's ``n``, ``d``, ``d_out`` and ``dtype`` are checked against the
-    served layer, and the tensor file may be no larger than those shapes need.
+    served layer, the tensor file may be no larger than those shapes need, and the shapes in its
+    safetensors header must be the config's.
     """
     root = Path(path)
     try:
@@ -104,6 +106,24 @@ def precheck_for_swap(path: str | os.PathLike, spec: AloeSpec) -> None:
     limit = n * (d + d_out + 2) * itemsize + _HEADER_SLACK_BYTES
     if t_path.stat().st_size > limit:
         raise SwapRefused(f"{t_path}: {t_path.stat().st_size} bytes, more than the {limit} that n={n} edits need")
+    want = {"addresses": (n, d), "thresholds": (n,), "temperatures": (n,), "writes": (n, d_out)}
+    got = _header_shapes(t_path)
+    for name, shape in want.items():
+        if got.get(name) != shape:
+            raise SwapRefused(
+                f"{t_path}: tensor '{name}' has shape {got.get(name)} in the file's header; its config says {shape}"
+            )
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header (no tensor is read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:  # the library raises its own error types for a malformed header
+        raise SwapRefused(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
 
 
 def _check_sizes(n: int, d: int, d_out: int, spec: AloeSpec, source: str) -> None:
@@ -159,15 +179,34 @@ def load_for_swap(path: str | os.PathLike, spec: AloeSpec) -> AloeOperator:
 def operator_info(infos: list[dict | None]) -> dict:
     """The served operator as ``GET /v1/aloe/operator`` reports it, from the ranks' ``aloe_operator_info()``.
 
-    ``ranks`` counts the ranks holding the layer. RanksDisagree when they do not all serve the
-    same operator (a failed rollback on one of them).
+    ``ranks`` counts the ranks holding the layer and ``rank_hashes`` lists each one's operator
+    hash. RanksDisagree when they do not all serve the same operator (a failed rollback).
     """
     live = [i for i in infos if i]
     if not live:
         raise RuntimeError("no worker holds an ALOE layer (is this an ALOE serving directory?)")
     if len({(i["n"], i["operator_hash"]) for i in live}) != 1:
         raise RanksDisagree(live)
-    return {**{k: live[0][k] for k in ("n", "capacity", "operator_hash", "loaded_at")}, "ranks": len(live)}
+    info = {k: live[0][k] for k in ("n", "capacity", "operator_hash", "loaded_at")}
+    return {**info, "ranks": len(live), "rank_hashes": [i["operator_hash"] for i in live]}
+
+
+def committed_info(results: list[dict | None]) -> dict:
+    """The new operator's :func:`operator_info` from the ranks' ``aloe_commit`` answers.
+
+    AloeSwapFailed (with the first rank's reason) when a rank failed: every rank is then back on
+    the previous operator, and ``.operator`` holds what they report.
+    """
+    live = [r for r in results if r]
+    failed = [r["error"] for r in live if r.get("state") != "ok"]
+    if failed:
+        exc = AloeSwapFailed(failed[0])
+        try:
+            exc.operator = operator_info(live)
+        except RanksDisagree as disagree:
+            exc.operator = {"ranks_disagree": disagree.infos}
+        raise exc
+    return operator_info(live)
 
 
 def staged_hash(states: list[dict | None]) -> str | None:
@@ -201,7 +240,8 @@ def swap_operator(
     """Swap the operator served by an offline ``vllm.LLM`` (created with ``worker_extension_cls=EXTENSION``).
 
     Returns the new :func:`operator_info`; raises SwapRefused (the old operator keeps serving)
-    when the artifact is refused. Call it between ``generate`` calls (the engine applies it
+    when the artifact is refused, AloeSwapFailed when a rank's write failed (every rank is back on
+    the old operator). Call it between ``generate`` calls (the engine applies it
     between steps in any case).
     """
     where = str(Path(path).expanduser().resolve())
@@ -213,7 +253,7 @@ def swap_operator(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{where}: not staged after {timeout:.0f}s")
             poll()
-        info = operator_info(llm.collective_rpc("aloe_commit", args=(digest, ticket)))
+        info = committed_info(llm.collective_rpc("aloe_commit", args=(digest, ticket)))
     finally:
         llm.collective_rpc("aloe_release", args=(ticket,))
     # Cached prefixes hold KV computed under the old operator; between generate calls nothing

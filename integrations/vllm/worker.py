@@ -15,6 +15,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from .format import AloeSwapFailed
 from .layer import AloeRowParallelLinear
 from .swap import SwapRefused, load_for_swap
 
@@ -104,11 +107,13 @@ class AloeWorkerExtension:
         return {"state": "ok", "hash": digest, "n": op.n}
 
     def aloe_commit(self, digest: str, ticket: str) -> dict | None:
-        """Make the operator staged for ``ticket`` (whose hash must be ``digest``) live; returns
-        :meth:`aloe_operator_info`.
+        """Make the operator staged for ``ticket`` (whose hash must be ``digest``) live.
 
-        Runs between two forward passes: vLLM executes a ``collective_rpc`` between engine steps.
-        If a write fails, the layer restores the previous operator and the error propagates.
+        Returns :meth:`aloe_operator_info` with ``"state": "ok"``, or ``"state": "error"`` and the
+        reason (never raises: an exception from one rank of a ``collective_rpc`` leaves the other
+        ranks' answers queued for the next call). Runs between two forward passes: vLLM executes a
+        ``collective_rpc`` between engine steps. All ranks or none: if a write fails on any rank,
+        every rank restores the previous operator within this call.
         """
         layer = self._aloe_layer()
         if layer is None:
@@ -116,11 +121,33 @@ class AloeWorkerExtension:
         staging = self._aloe_owned(ticket)
         fut = staging.result if staging is not None else None
         if fut is None or not fut.done() or fut.exception() is not None or fut.result()[1] != digest:
-            raise RuntimeError(f"aloe_commit: operator {digest} is not the one staged on this rank for this swap")
+            self._aloe_all_ranks_ok(False)  # the other ranks must not commit alone
+            return {**layer.aloe_info(), "state": "error", "error": f"operator {digest} is not the one staged for this swap"}
         op, _ = fut.result()
         self._aloe_staging = None
-        layer.aloe_swap_(op, digest)
-        return layer.aloe_info()
+        try:
+            before, failure = layer.aloe_swap_(op, digest), None
+        except AloeSwapFailed as exc:  # this rank is back on the old operator (or says it is unknown)
+            before, failure = None, str(exc)
+        if not self._aloe_all_ranks_ok(failure is None):
+            if failure is None:  # this rank's swap worked, another's did not: all stay on the old one
+                layer.aloe_undo_(before)
+                failure = f"the swap to {digest} failed on another rank; this rank is back on {layer.aloe_operator_hash}"
+            log.error("ALOE: %s", failure)
+            return {**layer.aloe_info(), "state": "error", "error": failure}
+        return {**layer.aloe_info(), "state": "ok"}
+
+    def _aloe_all_ranks_ok(self, ok: bool) -> bool:
+        """Whether every rank of the tensor-parallel group that holds the layer committed (a collective
+        inside the same RPC, so no engine step sees a mix of operators)."""
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size == 1:
+            return ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+        return bool(flag.item())
 
     def aloe_release(self, ticket: str) -> None:
         """Free this rank's staging slot if the swap ``ticket`` holds it (after a commit, refusal or timeout)."""

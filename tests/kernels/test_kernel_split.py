@@ -345,3 +345,18 @@ def test_autotuning_never_starts_during_graph_capture(monkeypatch):
     capturing[0] = False
     assert launch_plan.may_autotune(("cold",), cuda)
     assert launch_plan.may_autotune(("cpu",), torch.device("cpu"))
+    monkeypatch.setenv("ALOE_KERNEL_AUTOTUNE", "0")  # fixed blocks everywhere, no startup benchmarking
+    assert not launch_plan.may_autotune(("new",), cuda) and not launch_plan.may_autotune(("warm",), cuda)
+
+
+def test_cuda_without_triton_is_an_error_naming_the_cause(monkeypatch):
+    """No silent PyTorch fallback on CUDA (it syncs the host and cannot be graph-captured)."""
+    from types import SimpleNamespace
+
+    from aloe_kernels import runtime
+
+    monkeypatch.setattr(runtime, "_triton_import_error", lambda: "ImportError: No module named 'triton'")
+    with pytest.raises(RuntimeError, match="Triton does not import \\(ImportError: No module named 'triton'\\)"):
+        runtime.use_fused_kernel(SimpleNamespace(is_cuda=True))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert runtime.use_fused_kernel(SimpleNamespace(is_cuda=False)) is False  # CPU keeps its PyTorch path

@@ -363,8 +363,8 @@ def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
     assert not any((tmp_path / x).exists() for x in "abcdef")
 
 
-def _serve_cli(*args, timeout=120):
-    env = vllm_env(1)
+def _serve_cli(*args, timeout=120, env=None):
+    env = {**vllm_env(1), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "aloe_cli", "serve", *args],
         env=env,
@@ -398,28 +398,23 @@ def test_serve_cli_refuses_bad_operator(tiny, tmp_path):
     assert "vllm.entrypoints.openai.api_server" in proc.stdout and "--enforce-eager" in proc.stdout
     assert "--middleware" not in proc.stdout  # no admin key: no live-edit endpoints
     # Live edits: slots reserved in the export, vLLM's extension points on, the key kept off argv.
-    proc = _serve_cli(
-        "--model",
-        str(llama["base"]),
-        "--operator",
-        str(llama["op"]),
-        "--out",
-        str(tmp_path / "live"),
-        "--max-edits",
-        "8",
-        "--admin-key",
-        "s3cret",
-        "--dry-run",
-    )
+    key_file = tmp_path / "admin.key"
+    key_file.write_text("s3cret-0123456789abcdef\n")
+    live = ("--model", str(llama["base"]), "--operator", str(llama["op"]), "--dry-run")
+    proc = _serve_cli(*live, "--out", str(tmp_path / "live"), "--max-edits", "8", "--admin-key-file", str(key_file))
     assert proc.returncode == 0, proc.stderr
     assert "aloe_vllm.admin.AloeAdminMiddleware" in proc.stdout and "AloeWorkerExtension" in proc.stdout
     assert "s3cret" not in proc.stdout + proc.stderr
     assert f"live swaps read operators under {Path(llama['op']).resolve().parent}" in proc.stderr
     assert json.loads((tmp_path / "live" / "config.json").read_text())["aloe"]["capacity"] == 8
-    proc = _serve_cli(
-        "--model", str(llama["base"]), "--operator", str(llama["op"]), "--admin-key", "k", "--operator-root",
-        str(tmp_path / "missing"), "--dry-run",
-    )  # fmt: skip
+    # The key from the environment works too; on the command line, or short, it is refused.
+    proc = _serve_cli(*live, env={"ALOE_ADMIN_KEY": "s3cret-0123456789abcdef"})
+    assert proc.returncode == 0 and "AloeAdminMiddleware" in proc.stdout, proc.stderr
+    proc = _serve_cli(*live, "--admin-key", "s3cret-0123456789abcdef")
+    assert proc.returncode == 2 and "ALOE_ADMIN_KEY or pass --admin-key-file" in proc.stderr, proc.stderr
+    proc = _serve_cli(*live, env={"ALOE_ADMIN_KEY": "short"})
+    assert proc.returncode == 2 and "at least 16 characters" in proc.stderr, proc.stderr
+    proc = _serve_cli(*live, "--admin-key-file", str(key_file), "--admin-root", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "not a directory" in proc.stderr
     proc = _serve_cli(
         "--model",

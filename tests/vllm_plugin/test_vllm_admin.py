@@ -1,4 +1,4 @@
-"""Live edits over HTTP: ``aloe serve --max-edits --admin-key`` and ``/v1/aloe/operator`` on SmolLM2.
+"""Live edits over HTTP: ``aloe serve --max-edits`` with ``ALOE_ADMIN_KEY`` set, and ``/v1/aloe/operator`` on SmolLM2.
 
 One server (module fixture, started through ``aloe serve``) serves every test
 here. The operators are rows of one operator fitted on SmolLM2
@@ -37,7 +37,7 @@ CORRECTED = "Madrid"  # fact 1's new target in operator D
 OTHER = ["The largest planet in the solar system is", "The chemical symbol for gold is"]
 PROMPTS = [p for p, _ in FACTS] + OTHER
 TOKENS = 6
-KEY = "test-admin-key"
+KEY = "test-admin-key-0123456789"
 CAPACITY = 64
 
 
@@ -81,15 +81,13 @@ def live(tmp_path_factory):
         str(root / "serve"),
         "--max-edits",
         str(CAPACITY),
-        "--admin-key",
-        KEY,
         "--port",
         str(port),
         "--",
         *vh.SERVER_ARGS,
     ]
     # The screened path: its prepacked screen matrix is rebuilt by every swap.
-    proc = vh.start_server(cmd, log, ALOE_VLLM_SCREEN="1")
+    proc = vh.start_server(cmd, log, ALOE_VLLM_SCREEN="1", ALOE_ADMIN_KEY=KEY)
     try:
         vh.wait_ready(proc, port, log)
         yield dict(
@@ -195,9 +193,17 @@ def test_refusals_keep_the_old_operator(live):
     assert [_complete(live, p) for p in PROMPTS] == live["hf"]["B"]
 
 
+def _await_answers_since(done: list, since: float, k: int, timeout: float = 120) -> None:
+    """Wait until ``k`` completions sent at ``since`` or later have been answered."""
+    deadline = time.monotonic() + timeout
+    while sum(sent >= since for sent, *_ in list(done)) < k:
+        assert time.monotonic() < deadline, f"fewer than {k} answers in {timeout:.0f}s"
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_concurrent_completions_while_swapping(live):
-    """Completion loops run while A and B swap 10 times, with prefix caching on.
+    """64 completion loops run while A and B swap 10 times, with prefix caching on.
 
     A request sent after a swap's 200 and answered before the next swap was posted ran under
     that operator alone, so its tokens must be exactly that operator's (a stale prefix-cache
@@ -219,18 +225,18 @@ def test_concurrent_completions_while_swapping(live):
             i += 1
 
     windows = []  # (operator, its 200, the next swap's post)
-    with ThreadPoolExecutor(16) as pool:
-        loops = [pool.submit(loop, k) for k in range(16)]
+    with ThreadPoolExecutor(64) as pool:
+        loops = [pool.submit(loop, k) for k in range(64)]
         current, since = "A", time.monotonic()
         for i in range(10):
-            time.sleep(1.5)  # room for whole requests between two swaps
+            _await_answers_since(done, since, 3)  # whole requests inside this operator's window
             name = "B" if i % 2 == 0 else "A"
             posted = time.monotonic()
             status, out = _swap(live, name)
             assert status == 200 and out["prefix_cache_reset"], out
             windows.append((current, since, posted))
             current, since = name, time.monotonic()
-        time.sleep(1.5)
+        _await_answers_since(done, since, 3)
         stop.set()
         for f in loops:
             f.result()  # a failed request fails the test here
@@ -243,7 +249,8 @@ def test_concurrent_completions_while_swapping(live):
     ]
     wrong = [(name, PROMPTS[p], tokens) for name, p, tokens in checked if tokens != hf[name][p]]
     assert not wrong, wrong[:3]
-    assert len(checked) >= 20 and {name for name, _, _ in checked} == {"A", "B"}, len(checked)
+    # every window holds whole requests (3 or more, 33 at least in all)
+    assert len(checked) >= 33 and {name for name, _, _ in checked} == {"A", "B"}, len(checked)
     assert _info(live)[1]["operator_hash"] == live["hashes"]["A"]  # the last swap went back to A
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -23,55 +25,79 @@ from helpers import random_operator  # noqa: E402
 
 from aloe_kernels import AloeOperator  # noqa: E402
 from aloe_vllm.admin import ROUTE, AloeAdminMiddleware  # noqa: E402
-from aloe_vllm.format import ADMIN_KEY_ENV, OPERATOR_ROOT_ENV, AloeSpec, AloeSwapFailed  # noqa: E402
+from aloe_vllm.format import ADMIN_KEY_ENV, ADMIN_ROOT_ENV, AloeSpec, AloeSwapFailed  # noqa: E402
 from aloe_vllm.worker import AloeWorkerExtension  # noqa: E402
 
-KEY = "k"
+KEY = "protocol-test-key-0123"
 D, D_OUT, SLOTS = 16, 8, 4
 FINGERPRINT = "sha256-bf16:" + "1" * 32
 
 
 class FakeLayer:
-    """What the worker needs of ``AloeRowParallelLinear``: the spec, swaps (recorded) and the live info."""
+    """What the worker needs of ``AloeRowParallelLinear``: the spec, swaps (recorded, undoable) and the live info."""
 
     def __init__(self) -> None:
         self.aloe_spec = AloeSpec(layer=1, n=0, d=D, d_out=D_OUT, eps=1e-6, gate_eps=1e-3, capacity=SLOTS)
         self.live = {"n": 0, "capacity": SLOTS, "operator_hash": "start", "loaded_at": 0.0}
         self.fail_next = False
 
-    def aloe_swap_(self, op: AloeOperator, digest: str) -> None:
-        if self.fail_next:
+    @property
+    def aloe_operator_hash(self) -> str:
+        return self.live["operator_hash"]
+
+    def aloe_swap_(self, op: AloeOperator, digest: str) -> dict:
+        if self.fail_next:  # the real layer restores its rows before raising
             self.fail_next = False
             raise AloeSwapFailed(f"write failed; the previous operator {self.live['operator_hash']} is live again")
-        self.live = {**self.live, "n": op.n, "operator_hash": digest, "loaded_at": 1.0}
+        before, self.live = dict(self.live), {**self.live, "n": op.n, "operator_hash": digest, "loaded_at": 1.0}
+        return before
+
+    def aloe_undo_(self, before: dict) -> None:
+        self.live = before
 
     def aloe_info(self) -> dict:
         return dict(self.live)
 
 
 class Worker(AloeWorkerExtension):
-    def __init__(self) -> None:
-        self.layer = FakeLayer()
+    """A rank: the real worker methods on a fake layer; its commit agreement meets the other ranks'
+    at a barrier, as the real one meets them in an all-reduce."""
+
+    def __init__(self, barrier: threading.Barrier, votes: list) -> None:
+        self.layer, self.barrier, self.votes = FakeLayer(), barrier, votes
 
     def _aloe_layer(self):
         return self.layer
 
+    def _aloe_all_ranks_ok(self, ok: bool) -> bool:
+        self.votes.append(ok)
+        self.barrier.wait(timeout=10)
+        return all(self.votes)
+
 
 class Engine:
-    """``collective_rpc`` over in-process workers (each call finishes before the next, like the
-    engine's busy loop), and a recorded ``reset_prefix_cache``."""
+    """``collective_rpc`` runs the method on every rank at once (threads, like the workers' processes)
+    and returns when all are done, as the engine does between two steps; ``reset_prefix_cache`` is
+    recorded."""
 
     def __init__(self, ranks: int = 2, data_parallel: int = 1) -> None:
-        self.workers = [Worker() for _ in range(ranks)]
+        self.votes: list = []
+        barrier = threading.Barrier(ranks, action=lambda: None)
+        self.workers = [Worker(barrier, self.votes) for _ in range(ranks)]
         self.calls: list[str] = []
         self.resets: list[bool] = []
         self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=data_parallel))
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list:
         self.calls.append(method)
-        out = [getattr(w, method)(*args) for w in self.workers]
+        self.votes.clear()
+        with ThreadPoolExecutor(len(self.workers)) as pool:
+            futures = [pool.submit(getattr(w, method), *args) for w in self.workers]
+            errors = [f.exception() for f in futures]
         await asyncio.sleep(0.01)  # the staging threads run meanwhile
-        return out
+        if any(errors):
+            raise next(e for e in errors if e)
+        return [f.result() for f in futures]
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         self.resets.append(reset_running_requests)
@@ -113,7 +139,7 @@ def served(tmp_path, monkeypatch):
     root = tmp_path / "ops"
     root.mkdir()
     monkeypatch.setenv(ADMIN_KEY_ENV, KEY)
-    monkeypatch.setenv(OPERATOR_ROOT_ENV, str(root))
+    monkeypatch.setenv(ADMIN_ROOT_ENV, str(root))
     ops = {}
     for name, n in (("a", 2), ("b", 3), ("too-many", SLOTS + 1)):
         op = random_operator(n, D, D_OUT, seed=n, weight_fingerprint=FINGERPRINT, layer=1, eps=1e-6, gate_eps=1e-3)
@@ -133,10 +159,8 @@ def test_swap_commits_on_every_rank_and_resets_the_prefix_cache(served):
     assert served.engine.resets == [True]  # running requests recomputed too
     assert served.engine.calls[-1] == "aloe_release"
     assert all(getattr(w, "_aloe_staging", None) is None for w in served.engine.workers)
-    assert call(served.mw, served.engine, "GET") == (
-        200,
-        {k: out[k] for k in ("n", "capacity", "operator_hash", "loaded_at", "ranks")},
-    )
+    keys = ("n", "capacity", "operator_hash", "loaded_at", "ranks", "rank_hashes")
+    assert call(served.mw, served.engine, "GET") == (200, {k: out[k] for k in keys})
 
 
 def test_paths_outside_the_root_are_refused_before_any_rpc(served, monkeypatch):
@@ -146,14 +170,15 @@ def test_paths_outside_the_root_are_refused_before_any_rpc(served, monkeypatch):
     for path in (str(elsewhere / "a"), str(served.root / ".." / "elsewhere" / "a"), str(served.root / "escape" / "a")):
         status, out = call(served.mw, served.engine, "POST", {"path": path})
         assert status == 403 and "operators are read only from under" in out["error"], (path, out)
-    monkeypatch.delenv(OPERATOR_ROOT_ENV)
+    monkeypatch.delenv(ADMIN_ROOT_ENV)
     status, out = call(AloeAdminMiddleware(None), served.engine, "POST", {"path": str(served.ops["a"])})
-    assert status == 403 and OPERATOR_ROOT_ENV in out["error"]
+    assert status == 403 and ADMIN_ROOT_ENV in out["error"]
     assert served.engine.calls == []
 
 
 def test_oversized_operator_refused_before_it_is_read(served, monkeypatch):
-    """n past the capacity, or a tensor file larger than its config's shapes: 422, and no tensor loaded."""
+    """n past the capacity, header shapes other than the config's, or a tensor file larger than its
+    config's shapes: 422, and no tensor loaded."""
 
     def no_load(*args, **kwargs):
         raise AssertionError("the tensors were read")
@@ -161,6 +186,13 @@ def test_oversized_operator_refused_before_it_is_read(served, monkeypatch):
     monkeypatch.setattr(AloeOperator, "load", no_load)
     status, out = call(served.mw, served.engine, "POST", {"path": str(served.ops["too-many"])})
     assert status == 422 and f"capacity of {SLOTS}" in out["error"], out
+    from safetensors.torch import load_file, save_file
+
+    mislabelled = served.ops["b"] / "aloe_operator.safetensors"  # config says n=3; the header holds 2 writes
+    tensors = load_file(str(mislabelled))
+    save_file({**tensors, "writes": tensors["writes"][:2].contiguous()}, str(mislabelled))
+    status, out = call(served.mw, served.engine, "POST", {"path": str(served.ops["b"])})
+    assert status == 422 and "tensor 'writes' has shape (2, 8) in the file's header" in out["error"], out
     padded = served.ops["a"] / "aloe_operator.safetensors"
     with padded.open("ab") as f:
         f.write(b"\0" * (2 << 20))
@@ -183,15 +215,19 @@ def test_a_swap_in_progress_elsewhere_gets_409(served):
     assert call(served.mw, served.engine, "POST", {"path": str(served.ops["a"])})[0] == 200
 
 
-def test_failed_commit_answers_500_with_what_serves(served):
+def test_failed_commit_on_one_rank_leaves_every_rank_on_the_old_operator(served):
+    """Rank 1's write fails mid-commit: rank 0, which had committed, undoes it in the same call; the
+    answer is 500 with both ranks on the old operator, and the next swap goes through."""
     call(served.mw, served.engine, "POST", {"path": str(served.ops["a"])})
     live = _hash(served.ops["a"])
-    served.engine.workers[0].layer.fail_next = True  # rank 0's write fails (and the RPC stops there)
+    served.engine.workers[1].layer.fail_next = True
     status, out = call(served.mw, served.engine, "POST", {"path": str(served.ops["b"])})
-    assert status == 500 and "AloeSwapFailed" in out["error"], out
-    assert out["operator"]["operator_hash"] == live
+    assert status == 500 and "failed on another rank" in out["error"], out
+    assert out["operator"]["rank_hashes"] == [live, live]
+    assert [w.layer.live["operator_hash"] for w in served.engine.workers] == [live, live]
     assert all(getattr(w, "_aloe_staging", None) is None for w in served.engine.workers)
-    assert call(served.mw, served.engine, "POST", {"path": str(served.ops["b"])})[0] == 200
+    status, out = call(served.mw, served.engine, "POST", {"path": str(served.ops["b"])})
+    assert status == 200 and out["rank_hashes"] == [_hash(served.ops["b"])] * 2, out
 
 
 def test_ranks_that_disagree_are_reported(served):
@@ -211,7 +247,18 @@ def test_unexpected_load_errors_are_named_not_quoted(served, monkeypatch):
     assert status == 422 and "RuntimeError" in out["error"] and "secret" not in out["error"], out
 
 
-def test_data_parallel_servers_refuse_swaps(served):
+def test_servers_that_cannot_swap_safely_refuse(served):
+    """Data parallelism, or a KV connector (the prefix cache could not be reset): 501, nothing run."""
     engine = Engine(data_parallel=2)
     status, out = call(served.mw, engine, "POST", {"path": str(served.ops["a"])})
-    assert status == 501 and engine.calls == []
+    assert status == 501 and "data parallelism" in out["error"] and engine.calls == []
+    engine = Engine()
+    engine.vllm_config.kv_transfer_config = SimpleNamespace(kv_connector="any")
+    status, out = call(served.mw, engine, "POST", {"path": str(served.ops["a"])})
+    assert status == 501 and "KV connector" in out["error"] and engine.calls == []
+
+
+def test_short_admin_key_stops_the_middleware(monkeypatch):
+    monkeypatch.setenv(ADMIN_KEY_ENV, "too-short")
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        AloeAdminMiddleware(None)

@@ -208,3 +208,19 @@ def test_compiled_server_swaps_in_place(tiny_swap):
     assert compiled["tokens"] == [t["hf"]["A"], t["hf"]["B"], t["hf"]["A"]]
     first = compiled["pointers"][0]
     assert all(p == first for p in compiled["pointers"]), compiled["pointers"]
+
+
+def test_tp2_fault_on_rank_1_mid_commit_leaves_both_ranks_on_the_old_operator(tiny_swap):
+    """TP=2: rank 1's write fails after it wrote three of the four tensors, and rank 0 had committed
+    (``faulty_worker``). The swap raises, both ranks serve A (tokens and hashes), and the next swap to
+    B goes through."""
+    t = tiny_swap
+    run = _a_b_a(t, eager=True, swap_errors=True, extension="faulty_worker.FaultyCommitExtension")
+    run["swaps"] = [str(t["root"] / "B"), str(t["root"] / "B")]
+    (out,) = run_vllm_generate([run], tp=2, env=vllm_env(2))
+    assert out["errors"][0] is not None and "failed" in out["errors"][0], out["errors"]
+    assert out["errors"][1] is None, out["errors"]
+    assert out["tokens"] == [t["hf"]["A"], t["hf"]["A"], t["hf"]["B"]]
+    hashes = [[info["operator_hash"] for info in phase] for phase in out["infos"]]
+    assert hashes[1] == hashes[0] and len(set(hashes[0])) == 1, hashes
+    assert hashes[2] == [AloeOperator.load(t["root"] / "B").fingerprint()] * 2, hashes

@@ -352,6 +352,8 @@ def vllm_env(tp: int = 1, cache_root: str | None = None, **extra: str) -> dict[s
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     if cache_root:
         env["VLLM_CACHE_ROOT"] = str(cache_root)
+    # Worker processes import test-only worker extensions (faulty_worker) from this folder.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 
@@ -372,7 +374,10 @@ def run_vllm_generate(
     ``"swaps": [operator_dir, ...]``: generate, then for each directory swap it in with
     ``aloe_vllm.swap.swap_operator`` and generate again (the run's result is then one list per phase).
     With ``"pointers": true`` the result is ``{"tokens": ..., "pointers": [...]}``: after each phase,
-    every rank's ``data_ptr`` of the ALOE parameters.
+    every rank's ``data_ptr`` of the ALOE parameters. With ``"swap_errors": true`` a failed swap is
+    recorded instead of raised: ``{"tokens", "errors" (per swap, None when it worked), "infos" (every
+    rank's ``aloe_operator_info`` after each phase)}``. ``"extension"`` names another worker extension
+    class (importable from this folder, which is on the workers' ``PYTHONPATH``).
     Runs execute one after another in the same child (each LLM is torn down
     before the next). Raises RuntimeError with the child's output tail on failure.
     """
@@ -428,22 +433,34 @@ def _child_main(spec_path: str, out_path: str) -> None:
             seed=0,
             tensor_parallel_size=int(spec.get("tp", 1)),
             skip_tokenizer_init=token_ids is not None,
-            worker_extension_cls=EXTENSION if "swaps" in run else "",
+            worker_extension_cls=run.get("extension", EXTENSION) if "swaps" in run else "",
         )
         params = SamplingParams(
             temperature=0.0, max_tokens=int(run["max_tokens"]), ignore_eos=False, detokenize=token_ids is None
         )
         prompts = [{"prompt_token_ids": ids} for ids in token_ids] if token_ids is not None else run["prompts"]
-        phases, pointers = [], []
+        phases, pointers, infos, errors = [], [], [], []
         for swap in [None, *run.get("swaps", [])]:
             if swap is not None:
-                swap_operator(llm, swap)
+                try:
+                    swap_operator(llm, swap)
+                    errors.append(None)
+                except Exception as exc:  # recorded when the run asks for it: the test expects a refusal
+                    if not run.get("swap_errors"):
+                        raise
+                    errors.append(f"{type(exc).__name__}: {exc}")
             outs = llm.generate(prompts, params, use_tqdm=False)
             phases.append([list(o.outputs[0].token_ids) for o in outs])
             if run.get("pointers"):
                 pointers.append(llm.collective_rpc(_aloe_storage))
+            if run.get("swap_errors"):
+                infos.append(llm.collective_rpc("aloe_operator_info"))
         result = phases if "swaps" in run else phases[0]
-        results.append({"tokens": result, "pointers": pointers} if run.get("pointers") else result)
+        if run.get("pointers"):
+            result = {"tokens": result, "pointers": pointers}
+        if run.get("swap_errors"):
+            result = {"tokens": result, "errors": errors, "infos": infos}
+        results.append(result)
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
