@@ -93,7 +93,7 @@ class ChatConfig:
     )
     positives_chat_generic_systems: int = _at(
         3,
-        16,
+        6,
         (
             "Each request is also asked after this many of the generic system prompts "
             "(aloe_build.system_prompts), a different draw per edit: required anchors at the assistant "
