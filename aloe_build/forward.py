@@ -328,7 +328,9 @@ def _generate(
                     continue
                 ids, mask, pos = left_pad([prompts[i] for i in batch], pad_id, device)
                 box["stop"] = kmax <= 0  # states of the prompts only: the logits are not needed
-                res = _run(model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+                res = run_until_stopped(
+                    model, input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+                )
                 captured = [box.get("h")]  # (B, P, d), then (B, 1, d) per fed token
                 steps: list[torch.Tensor] = []
                 for step in range(kmax):
@@ -340,7 +342,7 @@ def _generate(
                     pos = pos[:, -1:] + 1
                     # the last generated token is fed only for its state, up to the edited layer
                     box["stop"] = step + 1 == kmax
-                    res = _run(
+                    res = run_until_stopped(
                         model,
                         input_ids=nxt[:, None],
                         attention_mask=mask,
@@ -368,7 +370,7 @@ def _generate(
     return out, states
 
 
-def _run(model: nn.Module, **inputs):
+def run_until_stopped(model: nn.Module, **inputs):
     """A forward pass that a capture hook may cut short (:class:`StopForward`): then returns None."""
     try:
         return model(**inputs)

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from aloe_build.forward import StopForward, model_device
+from aloe_build.forward import StopForward, model_device, run_until_stopped
 from aloe_build.states import collect_states
 from aloe_build.tokens import batch_inputs, encode_prompt, pad_id
 from aloe_kernels.hf import decoder_layers
@@ -123,10 +123,7 @@ def residual_at_subjects(
         for start in range(0, len(seqs), batch_size):
             chunk, idx = seqs[start : start + batch_size], at[start : start + batch_size]
             width = max(len(s) for s in chunk)
-            try:
-                model(**batch_inputs(chunk, pad_id(tokenizer), model_device(model)))
-            except StopForward:
-                pass
+            run_until_stopped(model, **batch_inputs(chunk, pad_id(tokenizer), model_device(model)))
             cols = torch.tensor([width - len(s) + i for s, i in zip(chunk, idx)])
             rows.append(box["out"][torch.arange(len(chunk)), cols].double().cpu())
     finally:
