@@ -25,12 +25,12 @@ magnitude.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 
 from ..runtime import triton_interpreting
+from . import buffers
+from .buffers import device_guard
 from .checks import PARAM_DTYPES, check_devices, check_eps, check_params, check_tensor, check_y
 from .gate_kernels import jit_kernels
 from .launch_plan import (
@@ -46,6 +46,7 @@ from .launch_plan import (
     sm_count,
     t_bucket,
 )
+from .stream_gate import STREAM_MAX_TOKENS, decode_kernel, run_stream_gate
 
 __all__ = ["aloe_gate_residual_"]
 
@@ -68,6 +69,11 @@ def _run_gate(y2: torch.Tensor, src: torch.Tensor, addresses: torch.Tensor | Non
     T, d_out = y2.shape
     n = writes.shape[0]
     if T == 0 or n == 0:
+        return
+    if not from_scores and T <= STREAM_MAX_TOKENS and decode_kernel() == "stream":
+        bt, bn, bd, bo = blocks_given  # a token tile below T is the split path's: the stream takes one tile
+        run_stream_gate(y2, src, addresses, thresholds, temperatures, writes, eps, gate_eps, programs=split,
+                        blocks_given=(bt if bt >= T else 0, bn, bd, bo))
         return
     interpret = triton_interpreting()
     k = jit_kernels(interpret)
@@ -124,7 +130,8 @@ def _gate_target(y2: torch.Tensor, plan) -> tuple:
     if plan.mode != MODE_PARTIAL:
         return y2, y2  # flags unused
     T, d_out = y2.shape
-    return _workspace((plan.split, T, d_out), y2.device, torch.float32), _workspace((plan.split, T), y2.device, torch.int32)
+    ws = buffers.empty_workspace((plan.split, T, d_out), y2.device, torch.float32)
+    return ws, buffers.empty_workspace((plan.split, T), y2.device, torch.int32)
 
 
 def launch_scores(k: dict, h2: torch.Tensor, addresses: torch.Tensor, k_split: int, d_per_split: int,
@@ -136,7 +143,7 @@ def launch_scores(k: dict, h2: torch.Tensor, addresses: torch.Tensor, k_split: i
     """
     T = h2.shape[0]
     n, d = addresses.shape
-    out = _workspace((k_split, T, n + 2) if scaled else (T, n + 1), h2.device, torch.float32)
+    out = buffers.empty_workspace((k_split, T, n + 2) if scaled else (T, n + 1), h2.device, torch.float32)
     args = (h2, addresses, out, T, n, d, d_per_split, h2.stride(0), h2.stride(1), addresses.stride(0),
             addresses.stride(1), out.stride(0) if scaled else 0, out.stride(-2), out.stride(-1),
             t_bucket(T), n_bucket(n))
@@ -163,16 +170,6 @@ def _run_reduce(kernel, ws: torch.Tensor, flags: torch.Tensor, y2: torch.Tensor,
         ws.stride(0), ws.stride(1), flags.stride(0), y2.stride(0), y2.stride(1),
         **rb, **extra,
     )
-
-
-def _workspace(shape: tuple, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Uninitialised kernel workspace (every element read is written first; tests poison it here)."""
-    return torch.empty(shape, device=device, dtype=dtype)
-
-
-def device_guard(t: torch.Tensor):
-    """Make ``t``'s CUDA device current for a launch (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _flat_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -240,7 +237,9 @@ def aloe_gate_residual_(
     scores them, then the gate reads the summed scores), ``o_split`` (d_out
     slices written by separate programs, only where the gate reads scores)
     and ``block_*`` override the launch plan (0 = auto; explicit blocks
-    disable autotuning).
+    disable autotuning). With ``ALOE_DECODE_KERNEL=stream``, calls of at most 32 tokens take
+    the streaming decode kernels (:mod:`aloe_kernels.ops.stream_gate`; ``split`` is then
+    their number of persistent programs).
     """
     check_tensor("y", y)
     check_tensor("h", h)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime import triton_interpreting
-from .aloe_gate import _flat_rows, _run_gate, _wide_tiles, _y_rows, device_guard, launch_scores
+from .aloe_gate import _flat_rows, _run_gate, _wide_tiles, _y_rows, launch_scores
+from .buffers import device_guard
 from .checks import PARAM_DTYPES, check_devices, check_eps, check_params, check_tensor, check_y
 from .gate_kernels import jit_kernels
 from .launch_plan import may_autotune, n_bucket, resolve_blocks, t_bucket

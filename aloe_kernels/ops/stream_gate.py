@@ -1,0 +1,123 @@
+"""Launcher of the streaming decode kernels (S + W of :mod:`aloe_kernels.ops.stream_kernels`).
+
+``ALOE_DECODE_KERNEL`` chooses the decode path of the fused gate for calls of at most
+:data:`STREAM_MAX_TOKENS` tokens: ``split`` (the default: the split-K kernels of
+:mod:`aloe_kernels.ops.gate_kernels`) or ``stream`` (these). The split path stays the default
+until a GPU run shows the streaming one faster on that card; the GPU suite times both.
+Prefill (more tokens) always takes the split path.
+
+Launch plan, from shapes and the SM count only (safe under CUDA graphs): one program per SM
+(at most one per step), 16 or 32 token columns, 64-edit blocks of 128 columns a step, 4 warps
+(one warpgroup: the 64 edit rows are the M side of the product). Workspaces are
+``(programs + edit blocks)`` partial tiles and the gate tiles of the edit blocks, a few MB at
+100,000 edits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..runtime import triton_interpreting
+from . import buffers
+from .buffers import device_guard
+from .launch_plan import sm_count
+from .stream_kernels import jit_stream_kernels
+
+__all__ = ["DECODE_KERNEL_ENV", "STREAM_MAX_TOKENS", "decode_kernel", "run_stream_gate", "stream_blocks"]
+
+#: Environment variable choosing the decode kernel: ``split`` (default) or ``stream``.
+DECODE_KERNEL_ENV = "ALOE_DECODE_KERNEL"
+DECODE_KERNELS = ("split", "stream")
+#: Most tokens a streaming launch takes (its token side is one tile of 16 or 32 columns).
+STREAM_MAX_TOKENS = 32
+#: Open flags W reads at once before it looks at single edit blocks.
+_FLAG_BLOCK = 32
+# Fixed blocks on a GPU (BLOCK_N, BLOCK_D, BLOCK_O), warps and pipeline stages: 64 x 128 bf16
+# address tiles are 16 KB a stage, 4 stages 64 KB in flight per SM.
+_GPU_BLOCKS = (64, 128, 64)
+_GPU_WARPS = 4
+_GPU_STAGES = 4
+# Under the interpreter: small tiles, so that tests see several blocks, steps and programs.
+_INTERPRETER_BLOCKS = (16, 32, 16)
+
+
+def decode_kernel() -> str:
+    """The decode kernel ``ALOE_DECODE_KERNEL`` selects (``split`` when unset)."""
+    choice = os.environ.get(DECODE_KERNEL_ENV, "split").strip().lower() or "split"
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected one of {', '.join(DECODE_KERNELS)}")
+    return choice
+
+
+def stream_blocks(T: int, interpret: bool, block_t: int = 0, block_n: int = 0, block_d: int = 0,
+                  block_o: int = 0) -> dict:
+    """Block sizes of a streaming launch; any given one (> 0, a power of two, at least 16) wins."""
+    bn, bd, bo = _INTERPRETER_BLOCKS if interpret else _GPU_BLOCKS
+    out = {"block_t": 16 if T <= 16 else 32, "block_n": bn, "block_d": bd, "block_o": bo}
+    for name, v in (("block_t", block_t), ("block_n", block_n), ("block_d", block_d), ("block_o", block_o)):
+        if v > 0:
+            if v & (v - 1) or v < 16:
+                raise ValueError(f"{name} of the streaming kernel must be a power of two >= 16, got {v}")
+            out[name] = int(v)
+    if out["block_t"] < T:
+        raise ValueError(f"block_t={out['block_t']} is below the {T} tokens of the call (one token tile)")
+    return out
+
+
+def run_stream_gate(y2: torch.Tensor, h2: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
+                    temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float, *,
+                    programs: int = 0, blocks_given: tuple = (0, 0, 0, 0),
+                    program_order: torch.Tensor | None = None) -> None:
+    """``y2 += U g(h2)`` with kernel S then kernel W (two launches); ``T <= STREAM_MAX_TOKENS``.
+
+    ``programs``: number of persistent programs of S (0: one per SM). ``program_order``: a
+    permutation of ``range(programs)`` mapping launch slots to programs (tests only: under the
+    interpreter programs run in launch order, so this decides which arrives last).
+    """
+    T, d_out = y2.shape
+    n, d = addresses.shape
+    if T == 0 or n == 0:
+        return
+    if T > STREAM_MAX_TOKENS:
+        raise ValueError(f"the streaming kernel takes at most {STREAM_MAX_TOKENS} tokens, got {T}")
+    interpret = triton_interpreting()
+    b = stream_blocks(T, interpret, *blocks_given)
+    bt, bn, bd, bo = b["block_t"], b["block_n"], b["block_d"], b["block_o"]
+    n_blocks, k_steps = triton.cdiv(n, bn), triton.cdiv(d, bd)
+    total = n_blocks * k_steps
+    progs = max(1, min(programs if programs > 0 else sm_count(y2.device), total))
+    if (total + 1) * progs >= 2**31:  # the kernel's step arithmetic is 32-bit
+        raise ValueError(f"{n} edits x {d} columns is too many steps for the streaming kernel; use the split one")
+    dev = y2.device
+    part = buffers.empty_workspace((progs + n_blocks, bn, bt), dev, torch.float32)
+    sq = buffers.empty_workspace((progs + n_blocks, bt), dev, torch.float64)
+    gates = buffers.empty_workspace((n_blocks, bn, bt), dev, torch.float32)
+    flags = buffers.empty_workspace((n_blocks,), dev, torch.int32)
+    tickets = buffers.ticket_counters(dev, n_blocks)
+    permuted = program_order is not None
+    if permuted and (program_order.numel() != progs or program_order.device != dev):
+        raise ValueError(f"program_order must hold {progs} program ids on {dev}")
+    use_pdl = (not interpret) and torch.cuda.get_device_capability(dev)[0] >= 9
+    k = jit_stream_kernels(interpret)
+    extra = {} if interpret else {"num_warps": _GPU_WARPS, "num_stages": _GPU_STAGES}
+    with device_guard(y2):
+        k["scores"][(progs,)](
+            h2, addresses, thresholds, temperatures, part, sq, tickets, flags, gates,
+            program_order.to(torch.int32) if permuted else flags,
+            T, n, d, k_steps, total, progs,
+            h2.stride(0), h2.stride(1), addresses.stride(0), addresses.stride(1),
+            thresholds.stride(0), temperatures.stride(0),
+            float(eps), float(gate_eps), 1.0 / (1.0 - float(gate_eps)),
+            PERMUTED=permuted, CAST=interpret or h2.dtype != addresses.dtype, DOT_PREC="ieee", USE_PDL=use_pdl,
+            BLOCK_T=bt, BLOCK_N=bn, BLOCK_D=bd, **extra,
+        )
+        k["write"][(triton.cdiv(d_out, bo),)](
+            flags, gates, writes, y2, T, n_blocks, d_out,
+            writes.stride(0), writes.stride(1), y2.stride(0), y2.stride(1),
+            CAST_WRITES=interpret or writes.dtype == torch.float32, DOT_PREC="ieee", USE_PDL=use_pdl,
+            BLOCK_T=bt, BLOCK_N=bn, BLOCK_O=bo, BLOCK_F=_FLAG_BLOCK,
+            **extra, **({"launch_pdl": True} if use_pdl else {}),
+        )

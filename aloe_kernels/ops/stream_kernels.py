@@ -1,0 +1,202 @@
+"""The decode kernels of the ALOE gate (T <= 32): one persistent streaming pass over the addresses (S),
+then a sparse write (W). Selected with ``ALOE_DECODE_KERNEL=stream`` (:mod:`aloe_kernels.ops.stream_gate`).
+
+Why a second decode path
+------------------------
+At decode, the cost floor is reading the addresses once (n x d values). The
+split path of :mod:`aloe_kernels.ops.gate_kernels` needs three launches at
+decode (scores, gate, reduce), leaves SMs idle when its edit ranges do not
+divide evenly, and carries an overflow-safe running norm (a division per
+step). These two kernels are built for that floor:
+
+Kernel S (``_stream_scores_kernel``), one program per SM
+--------------------------------------------------------
+- **Work.** The address matrix is cut into *steps*: (edit block of
+  ``BLOCK_N`` rows) x (``BLOCK_D`` columns), edit-block major. There are
+  ``n_blocks * k_steps`` of them and program p takes the contiguous range
+  ``[p * steps // P, (p + 1) * steps // P)``, so every address is read
+  exactly once and the programs' shares differ by at most one step. The
+  loop over a program's steps is one flat loop (no nested loop to drain the
+  software pipeline at an edit-block boundary).
+- **Product.** Each step computes ``V_tile @ h_tile^T``, a (BLOCK_N, BLOCK_T)
+  tile: the edits are the M side of the product and the padded tokens the
+  N side ("swap-AB"), so that 64 or 128 edit rows fill the tensor-core
+  instruction and one to 32 tokens are its narrow side.
+- **Norm.** The squared row norms are a plain column sum of ``h^2``, in
+  float64 (rows of 1e30 square to 1e60, which float32 cannot hold): no
+  running scale and no division inside the loop.
+- **Cross-program sum, deterministic.** Where a program's range leaves an
+  edit block (or ends), it stores its partial scores and partial squared
+  norms into *segment* ``p + b``: the segments, numbered in step order,
+  are exactly ``owner(step) + block(step)``, so the segments of block b are
+  a contiguous range known to every program. It then takes a ticket from
+  block b's counter (an atomic add, acquire-release, after a barrier so
+  that all of its warps' stores come first). The program that takes the
+  last ticket sums the block's segments **in segment order** (so the bits
+  do not depend on which program arrives last), normalises, computes the
+  gates, writes the block's open flag (always) and its gate tile (only when
+  some gate opened), and resets the counter to 0 for the next launch: no
+  memset launch. The counters live in a zeroed buffer kept per device.
+
+Kernel W (``_stream_write_kernel``), one program per ``BLOCK_O`` columns of y
+-----------------------------------------------------------------------------
+Reads the open flags ``BLOCK_F`` at a time; for each open block it reads the
+gate tile and only the write rows of edits that opened (a predicated load
+moves no memory), accumulates ``g @ U`` in fp32 in block order, and adds the
+sum into y with one rounding, on the token rows that some gate opened (the
+others keep their exact bits). It can be launched as a programmatic
+dependent launch (``USE_PDL``): it then waits on S's completion in-kernel
+(``gdc_wait``) instead of at the launch boundary.
+
+Two launches per call, no atomics on floating-point data, no host
+synchronisation, identical bits whatever order the programs run in (for a
+given program count). ``PERMUTED`` maps program ids through a table so
+that tests under the interpreter (where programs run in order) can make any
+program the last to arrive.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton.language as tl
+
+from .gate_kernels import _jit_in
+
+__all__ = ["jit_stream_kernels"]
+
+
+def _owner(step, total_steps, n_progs):
+    """The program whose step range holds ``step`` (ranges ``[p * total // P, (p + 1) * total // P)``)."""
+    return ((step + 1) * n_progs - 1) // total_steps
+
+
+def _stream_scores_kernel(
+    h_ptr, a_ptr, thr_ptr, temp_ptr, part_ptr, sq_ptr, ticket_ptr, flag_ptr, gate_ptr, perm_ptr,
+    T, n, d, k_steps, total_steps, n_progs,
+    stride_ht, stride_hd, stride_an, stride_ad, stride_thr, stride_temp,
+    eps, gate_eps, inv_one_minus_geps,
+    PERMUTED: tl.constexpr, CAST: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if PERMUTED:
+        pid = tl.load(perm_ptr + pid)
+    s_lo = (pid * total_steps) // n_progs
+    s_hi = ((pid + 1) * total_steps) // n_progs
+    offs_t = tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    offs_bn = tl.arange(0, BLOCK_N)
+    offs_bd = tl.arange(0, BLOCK_D)
+    tile = offs_bn[:, None] * BLOCK_T + offs_t[None, :]  # (BLOCK_N, BLOCK_T) offsets in a segment
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float64)
+    for s in range(s_lo, s_hi):
+        b = s // k_steps
+        kk = s - b * k_steps
+        offs_n = b * BLOCK_N + offs_bn
+        n_mask = offs_n < n
+        offs_d = kk * BLOCK_D + offs_bd
+        d_mask = offs_d < d
+        x_t = tl.load(h_ptr + offs_t[None, :] * stride_ht + offs_d[:, None] * stride_hd,
+                      mask=d_mask[:, None] & t_mask[None, :], other=0.0)          # (BLOCK_D, BLOCK_T)
+        v = tl.load(a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + offs_d[None, :] * stride_ad,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)            # (BLOCK_N, BLOCK_D)
+        x64 = x_t.to(tl.float64)
+        sq += tl.sum(x64 * x64, axis=0)
+        if CAST:
+            x_t = x_t.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(v, x_t, acc, input_precision=DOT_PREC)
+        if (kk == k_steps - 1) | (s == s_hi - 1):
+            _flush_segment(acc, sq, pid + b, b, k_steps, total_steps, n_progs, tile, offs_n, n_mask, t_mask,
+                           part_ptr, sq_ptr, ticket_ptr, flag_ptr, gate_ptr, thr_ptr, temp_ptr,
+                           stride_thr, stride_temp, eps, gate_eps, inv_one_minus_geps, BLOCK_T, BLOCK_N)
+            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+            sq = tl.zeros((BLOCK_T,), dtype=tl.float64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _flush_segment(acc, sq, seg, b, k_steps, total_steps, n_progs, tile, offs_n, n_mask, t_mask,
+                   part_ptr, sq_ptr, ticket_ptr, flag_ptr, gate_ptr, thr_ptr, temp_ptr,
+                   stride_thr, stride_temp, eps, gate_eps, inv_one_minus_geps,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a segment's partials; the last program of edit block ``b`` to arrive finishes the block."""
+    tl.store(part_ptr + seg * (BLOCK_N * BLOCK_T) + tile, acc)
+    tl.store(sq_ptr + seg * BLOCK_T + tl.arange(0, BLOCK_T), sq)
+    first = _owner(b * k_steps, total_steps, n_progs) + b
+    last = _owner(b * k_steps + k_steps - 1, total_steps, n_progs) + b
+    tl.debug_barrier()  # every warp's partial stores precede the ticket (released by it)
+    ticket = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if ticket == last - first:
+        raw = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        tot = tl.zeros((BLOCK_T,), dtype=tl.float64)
+        for sg in range(first, last + 1):  # segment order: the same bits whoever arrives last
+            raw += tl.load(part_ptr + sg * (BLOCK_N * BLOCK_T) + tile, cache_modifier=".cg")
+            tot += tl.load(sq_ptr + sg * BLOCK_T + tl.arange(0, BLOCK_T), cache_modifier=".cg")
+        inv_norm = 1.0 / tl.maximum(tl.sqrt(tot).to(tl.float32), eps)
+        tau = tl.load(thr_ptr + offs_n * stride_thr, mask=n_mask, other=0.0).to(tl.float32)
+        alpha = tl.load(temp_ptr + offs_n * stride_temp, mask=n_mask, other=0.0).to(tl.float32)
+        # Clamped below so exp(-z) stays finite; sigmoid(-80) is far inside the dead zone anyway.
+        z = tl.maximum(alpha[:, None] * (raw * inv_norm[None, :] - tau[:, None]), -80.0)
+        g = tl.maximum(tl.sigmoid(z) - gate_eps, 0.0) * inv_one_minus_geps
+        g = tl.where(n_mask[:, None] & t_mask[None, :], g, 0.0)
+        is_open = (tl.max(tl.max(g, axis=1), axis=0) > 0.0).to(tl.int32)
+        tl.store(flag_ptr + b, is_open)
+        if is_open > 0:
+            tl.store(gate_ptr + b * (BLOCK_N * BLOCK_T) + tile, g)
+        tl.atomic_xchg(ticket_ptr + b, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+def _stream_write_kernel(
+    flag_ptr, gate_ptr, w_ptr, y_ptr, T, n_blocks, d_out,
+    stride_wn, stride_wo, stride_yt, stride_yo,
+    CAST_WRITES: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_mask = offs_o < d_out
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_bn = tl.arange(0, BLOCK_N)
+    tile = offs_bn[:, None] * BLOCK_T + offs_t[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
+    rows = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for f0 in range(0, n_blocks, BLOCK_F):
+        offs_f = f0 + tl.arange(0, BLOCK_F)
+        flags = tl.load(flag_ptr + offs_f, mask=offs_f < n_blocks, other=0)
+        if tl.max(flags, axis=0) > 0:
+            for b in range(f0, tl.minimum(f0 + BLOCK_F, n_blocks)):  # block order: fixed sum order
+                if tl.load(flag_ptr + b) > 0:
+                    g = tl.load(gate_ptr + b * (BLOCK_N * BLOCK_T) + tile)   # (BLOCK_N, BLOCK_T)
+                    col_open = tl.max(g, axis=1) > 0.0
+                    offs_n = b * BLOCK_N + offs_bn
+                    # Only the write rows of edits that opened are read.
+                    u = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_o[None, :] * stride_wo,
+                                mask=col_open[:, None] & o_mask[None, :], other=0.0)
+                    g_t = tl.trans(g)
+                    if CAST_WRITES:
+                        acc = tl.dot(g_t, u.to(tl.float32), acc, input_precision=DOT_PREC)
+                    else:
+                        acc = tl.dot(g_t.to(u.dtype), u, acc, input_precision=DOT_PREC)
+                    rows = tl.maximum(rows, (tl.max(g, axis=0) > 0.0).to(tl.int32))
+    if tl.max(rows, axis=0) > 0:
+        m = (rows[:, None] > 0) & o_mask[None, :]
+        y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_o[None, :] * stride_yo
+        prev = tl.load(y_ptrs, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (prev + acc).to(y_ptr.dtype.element_ty), mask=m)
+
+
+_DEVICE_FUNCTIONS = (_owner, _flush_segment)
+_KERNELS = {"scores": _stream_scores_kernel, "write": _stream_write_kernel}
+
+
+@functools.lru_cache(maxsize=None)
+def jit_stream_kernels(interpret: bool) -> dict:
+    """jit S (``scores``) and W (``write``) for the current mode, as :func:`gate_kernels.jit_kernels` does."""
+    namespace = dict(globals())
+    for fn in _DEVICE_FUNCTIONS:
+        namespace[fn.__name__] = _jit_in(namespace, fn)
+    return {name: _jit_in(namespace, fn) for name, fn in _KERNELS.items()}

@@ -1,0 +1,231 @@
+"""The streaming decode kernels (S + W, ``ALOE_DECODE_KERNEL=stream``) under the Triton interpreter.
+
+Every result is compared with a float64 evaluation of the ALOE formula on the same (rounded)
+inputs (``ref_delta`` of test_kernel). Workspaces are poisoned (NaN, or 1 in int buffers), so a
+read of an element the kernels did not write shows up. Shapes are ragged: d and d_out are not
+multiples of the blocks, edit counts leave partial edit blocks, and the persistent programs'
+step ranges cut edit blocks in the middle.
+"""
+
+import math
+
+import pytest
+import torch
+from test_kernel import (  # noqa: F401  (pytestmark applies to this module too)
+    FP32_TOL,
+    HALF_TOL,
+    cast_op,
+    gate,
+    make_case,
+    pytestmark,
+    ref_delta,
+    rel_err,
+)
+
+stream = pytest.importorskip("aloe_kernels.ops.stream_gate")
+buffers = pytest.importorskip("aloe_kernels.ops.buffers")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_workspaces(monkeypatch):
+    real = buffers.empty_workspace
+
+    def poisoned(shape, device, dtype):
+        t = real(shape, device, dtype)
+        return t.fill_(float("nan") if dtype.is_floating_point else 1)
+
+    monkeypatch.setattr(buffers, "empty_workspace", poisoned)
+
+
+def run(y, h, op, programs=0, order=None, **blocks):
+    stream.run_stream_gate(
+        y.view(-1, op.d_out),
+        h.reshape(-1, op.d),
+        op.addresses,
+        op.thresholds,
+        op.temperatures,
+        op.writes,
+        op.eps,
+        op.gate_eps,
+        programs=programs,
+        program_order=order,
+        blocks_given=tuple(blocks.get(k, 0) for k in ("block_t", "block_n", "block_d", "block_o")),
+    )
+    return y
+
+
+def counters_zero(device=torch.device("cpu")):
+    c = buffers._COUNTERS.get(device)
+    return c is None or bool((c == 0).all())
+
+
+# (T, n, d, d_out, programs): one edit, one token, more programs than steps, ragged everything.
+CASES = [
+    (1, 1, 48, 24, 1),
+    (1, 1, 80, 24, 9),
+    (1, 50, 80, 24, 4),
+    (1, 300, 33, 17, 7),
+    (7, 37, 80, 24, 5),
+    (16, 20, 33, 17, 3),
+    (32, 100, 80, 40, 6),
+]
+
+
+@pytest.mark.parametrize("T,n,d,d_out,programs", CASES)
+def test_fp32_mixed_matches_float64(T, n, d, d_out, programs):
+    h, op = make_case(T, d, d_out, n, "mixed", seed=T * 13 + n)
+    ref, g = ref_delta(h, op)
+    if T * n > 1:
+        assert (g > 0).any() and (g == 0).any(), "the case should open some gates, not all"
+    y = torch.full((T, d_out), 0.25)
+    run(y, h, op, programs)
+    assert rel_err(y.double() - 0.25, ref) <= FP32_TOL
+    assert counters_zero(), "every ticket counter is put back to 0 in-kernel"
+
+
+def test_zero_and_huge_rows():
+    T, d, d_out, n = 6, 80, 24, 40
+    h, op = make_case(T, d, d_out, n, "mixed", seed=5, zero_rows=(1,))
+    h[2] *= 1e30  # squares overflow fp32: the norm is summed in float64
+    h[4] = -h[4] * 1e30
+    ref, g = ref_delta(h, op)
+    assert (g[2] > 0).any() or (g[4] > 0).any()
+    y = torch.zeros(T, d_out)
+    run(y, h, op, programs=5)
+    assert torch.isfinite(y).all()
+    assert rel_err(y, ref) <= FP32_TOL
+
+
+def test_all_closed_leaves_y_bits():
+    T, d, d_out, n = 5, 80, 24, 60
+    h, op = make_case(T, d, d_out, n, "closed", seed=2)
+    y = torch.randn(T, d_out)
+    before = y.clone()
+    run(y, h, op, programs=4)
+    assert torch.equal(y, before)
+
+
+def test_rows_without_open_gates_keep_their_bits():
+    T, d, d_out, n = 8, 48, 24, 30
+    h, op = make_case(T, d, d_out, n, "closed", seed=11)
+    # Edit 3 opens on the token it scores highest only: its open floor halfway to the runner-up.
+    s = torch.nn.functional.normalize(h.double(), dim=1) @ op.addresses.double().T
+    top2 = s[:, 3].topk(2).values
+    logit = math.log(op.gate_eps / (1 - op.gate_eps))
+    op.thresholds[3] = float(top2.mean() - logit / op.temperatures[3].double())
+    _, g = ref_delta(h, op)
+    closed = (g == 0).all(dim=1)
+    assert closed.any() and not closed.all()
+    y = torch.randn(T, d_out)
+    before = y.clone()
+    run(y, h, op, programs=3)
+    assert torch.equal(y[closed], before[closed])
+
+
+@pytest.mark.parametrize("T,n", [(1, 3), (9, 70)])
+def test_all_open(T, n):
+    h, op = make_case(T, 80, 24, n, "open", seed=3)
+    ref, g = ref_delta(h, op)
+    assert bool((g > 0.99).all())
+    y = torch.zeros(T, 24)
+    run(y, h, op, programs=6)
+    assert rel_err(y, ref) <= FP32_TOL
+
+
+@pytest.mark.parametrize(
+    "dtype,ydtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.bfloat16, torch.float32)]
+)
+def test_half_inputs(dtype, ydtype):
+    T, d, d_out, n = 4, 80, 24, 45
+    h, op = make_case(T, d, d_out, n, "mixed", seed=21)
+    h, op = h.to(dtype), cast_op(op, dtype)
+    ref, _ = ref_delta(h, op)
+    y = torch.zeros(T, d_out, dtype=ydtype)
+    run(y, h, op, programs=5)
+    assert rel_err(y, ref) <= HALF_TOL
+
+
+def test_program_order_does_not_change_bits():
+    """Whichever program takes an edit block's last ticket, the block's segments are summed in order."""
+    T, d, d_out, n, programs = 3, 80, 24, 70, 7
+    h, op = make_case(T, d, d_out, n, "mixed", seed=8)
+    base = run(torch.zeros(T, d_out), h, op, programs)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        order = torch.randperm(programs, generator=gen).to(torch.int32)
+        out = run(torch.zeros(T, d_out), h, op, programs, order)
+        assert torch.equal(out, base), f"order {order.tolist()}"
+    assert counters_zero()
+
+
+def test_env_selects_the_stream_for_decode_only(monkeypatch):
+    T, d, d_out, n = 5, 80, 24, 33
+    h, op = make_case(T, d, d_out, n, "mixed", seed=4)
+    direct = run(torch.zeros(T, d_out), h, op, programs=3)
+    launched = []
+    real = stream.run_stream_gate
+    monkeypatch.setattr(gate, "run_stream_gate", lambda *a, **k: (launched.append(a[0].shape[0]), real(*a, **k)))
+    monkeypatch.setenv("ALOE_DECODE_KERNEL", "stream")
+    y = torch.zeros(T, d_out)
+    gate.aloe_gate_residual_(
+        y,
+        h,
+        op.addresses,
+        op.thresholds,
+        op.temperatures,
+        op.writes,
+        op.eps,
+        op.gate_eps,
+        split=3,
+        block_n=16,
+        block_d=32,
+        block_o=16,
+    )
+    assert launched == [T] and torch.equal(y, direct)
+    # 33 tokens: prefill, the split path, still right.
+    h2, op2 = make_case(33, d, d_out, n, "mixed", seed=6)
+    y2 = torch.zeros(33, d_out)
+    gate.aloe_gate_residual_(
+        y2,
+        h2,
+        op2.addresses,
+        op2.thresholds,
+        op2.temperatures,
+        op2.writes,
+        op2.eps,
+        op2.gate_eps,
+        block_t=16,
+        block_n=16,
+        block_d=16,
+        block_o=16,
+    )
+    assert launched == [T]
+    assert rel_err(y2, ref_delta(h2, op2)[0]) <= FP32_TOL
+
+
+def test_bad_choice_is_named(monkeypatch):
+    monkeypatch.setenv("ALOE_DECODE_KERNEL", "fast")
+    with pytest.raises(ValueError, match="split, stream"):
+        stream.decode_kernel()
+
+
+def test_two_launches_per_call(monkeypatch):
+    kernels = stream.jit_stream_kernels(True)
+    calls = []
+    for name in ("scores", "write"):
+        real = kernels[name]
+
+        class Counting:
+            def __init__(self, fn, name):
+                self.fn, self.name = fn, name
+
+            def __getitem__(self, grid):
+                calls.append(self.name)
+                return self.fn[grid]
+
+        monkeypatch.setitem(kernels, name, Counting(real, name))
+    T, d, d_out, n = 2, 48, 24, 20
+    h, op = make_case(T, d, d_out, n, "mixed", seed=1)
+    y = run(torch.zeros(T, d_out), h, op, programs=2)
+    assert calls == ["scores", "write"]
+    assert rel_err(y, ref_delta(h, op)[0]) <= FP32_TOL
