@@ -36,8 +36,12 @@ STREAM_MAX_TOKENS = 32
 #: Open flags W reads at once before it looks at single edit blocks.
 _FLAG_BLOCK = 32
 # Fixed blocks on a GPU (BLOCK_N, BLOCK_D, BLOCK_O), warps and pipeline stages: 64 x 128 bf16
-# address tiles are 16 KB a stage, 4 stages 64 KB in flight per SM.
+# address tiles are 16 KB a stage, 3 stages ahead 60 KB in flight per SM. fp32 inputs take
+# 64-column steps and fp32 writes 32-column tiles: wider ones spill registers in the sm_90
+# compile (benchmarks/results/gpu/aot_stream_sm90.md).
 _GPU_BLOCKS = (64, 128, 64)
+_GPU_FP32_BLOCK_D = 64
+_GPU_FP32_BLOCK_O = 32
 _GPU_WARPS = 4
 _GPU_STAGES = 4
 # Under the interpreter: small tiles, so that tests see several blocks, steps and programs.
@@ -52,10 +56,16 @@ def decode_kernel() -> str:
     return choice
 
 
-def stream_blocks(T: int, interpret: bool, block_t: int = 0, block_n: int = 0, block_d: int = 0,
-                  block_o: int = 0) -> dict:
-    """Block sizes of a streaming launch; any given one (> 0, a power of two, at least 16) wins."""
+def stream_blocks(T: int, interpret: bool, block_t: int = 0, block_n: int = 0, block_d: int = 0, block_o: int = 0,
+                  *, fp32_scores: bool = False, fp32_writes: bool = False) -> dict:
+    """Block sizes of a streaming launch; any given one (> 0, a power of two, at least 16) wins.
+
+    ``fp32_scores`` / ``fp32_writes``: h or the addresses / the writes are float32 (narrower GPU tiles).
+    """
     bn, bd, bo = _INTERPRETER_BLOCKS if interpret else _GPU_BLOCKS
+    if not interpret:
+        bd = _GPU_FP32_BLOCK_D if fp32_scores else bd
+        bo = _GPU_FP32_BLOCK_O if fp32_writes else bo
     out = {"block_t": 16 if T <= 16 else 32, "block_n": bn, "block_d": bd, "block_o": bo}
     for name, v in (("block_t", block_t), ("block_n", block_n), ("block_d", block_d), ("block_o", block_o)):
         if v > 0:
@@ -84,7 +94,9 @@ def run_stream_gate(y2: torch.Tensor, h2: torch.Tensor, addresses: torch.Tensor,
     if T > STREAM_MAX_TOKENS:
         raise ValueError(f"the streaming kernel takes at most {STREAM_MAX_TOKENS} tokens, got {T}")
     interpret = triton_interpreting()
-    b = stream_blocks(T, interpret, *blocks_given)
+    f32 = torch.float32
+    b = stream_blocks(T, interpret, *blocks_given, fp32_scores=f32 in (h2.dtype, addresses.dtype),
+                      fp32_writes=writes.dtype == f32)
     bt, bn, bd, bo = b["block_t"], b["block_n"], b["block_d"], b["block_o"]
     n_blocks, k_steps = triton.cdiv(n, bn), triton.cdiv(d, bd)
     total = n_blocks * k_steps

@@ -90,10 +90,10 @@ def _stream_scores_kernel(
     offs_bd = tl.arange(0, BLOCK_D)
     tile = offs_bn[:, None] * BLOCK_T + offs_t[None, :]  # (BLOCK_N, BLOCK_T) offsets in a segment
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_T,), dtype=tl.float64)
+    sq = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float64)  # reduced over d only when a segment ends
+    b = s_lo // k_steps  # edit block and d step of s, carried (no division in the loop)
+    kk = s_lo - b * k_steps
     for s in range(s_lo, s_hi):
-        b = s // k_steps
-        kk = s - b * k_steps
         offs_n = b * BLOCK_N + offs_bn
         n_mask = offs_n < n
         offs_d = kk * BLOCK_D + offs_bd
@@ -103,31 +103,37 @@ def _stream_scores_kernel(
         v = tl.load(a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + offs_d[None, :] * stride_ad,
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)            # (BLOCK_N, BLOCK_D)
         x64 = x_t.to(tl.float64)
-        sq += tl.sum(x64 * x64, axis=0)
+        sq += x64 * x64
         if CAST:
             x_t = x_t.to(tl.float32)
             v = v.to(tl.float32)
         acc = tl.dot(v, x_t, acc, input_precision=DOT_PREC)
-        if (kk == k_steps - 1) | (s == s_hi - 1):
-            _flush_segment(acc, sq, pid + b, b, k_steps, total_steps, n_progs, tile, offs_n, n_mask, t_mask,
-                           part_ptr, sq_ptr, ticket_ptr, flag_ptr, gate_ptr, thr_ptr, temp_ptr,
-                           stride_thr, stride_temp, eps, gate_eps, inv_one_minus_geps, BLOCK_T, BLOCK_N)
+        if (kk == k_steps - 1) | (s == s_hi - 1):  # the segment ends: store its partials
+            tl.store(part_ptr + (pid + b) * (BLOCK_N * BLOCK_T) + tile, acc)
+            tl.store(sq_ptr + (pid + b) * BLOCK_T + offs_t, tl.sum(sq, axis=0))
             acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            sq = tl.zeros((BLOCK_T,), dtype=tl.float64)
+            sq = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float64)
+        kk += 1
+        wrap = kk == k_steps
+        b = tl.where(wrap, b + 1, b)
+        kk = tl.where(wrap, 0, kk)
+    # Tickets are taken after the streaming loop, so that it stays an innermost loop (software
+    # pipelined); a barrier first, so that every warp's partial stores precede them.
+    tl.debug_barrier()
+    for blk in range(s_lo // k_steps, (s_hi - 1) // k_steps + 1):
+        _finish_block_if_last(blk, k_steps, total_steps, n_progs, tile, offs_bn, t_mask, part_ptr, sq_ptr, ticket_ptr,
+                              flag_ptr, gate_ptr, thr_ptr, temp_ptr, n, stride_thr, stride_temp, eps, gate_eps,
+                              inv_one_minus_geps, BLOCK_T, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def _flush_segment(acc, sq, seg, b, k_steps, total_steps, n_progs, tile, offs_n, n_mask, t_mask,
-                   part_ptr, sq_ptr, ticket_ptr, flag_ptr, gate_ptr, thr_ptr, temp_ptr,
-                   stride_thr, stride_temp, eps, gate_eps, inv_one_minus_geps,
-                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store a segment's partials; the last program of edit block ``b`` to arrive finishes the block."""
-    tl.store(part_ptr + seg * (BLOCK_N * BLOCK_T) + tile, acc)
-    tl.store(sq_ptr + seg * BLOCK_T + tl.arange(0, BLOCK_T), sq)
+def _finish_block_if_last(b, k_steps, total_steps, n_progs, tile, offs_bn, t_mask, part_ptr, sq_ptr, ticket_ptr,
+                          flag_ptr, gate_ptr, thr_ptr, temp_ptr, n, stride_thr, stride_temp, eps, gate_eps,
+                          inv_one_minus_geps, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Take a ticket of edit block ``b``; the program that takes the last one finishes the block."""
     first = _owner(b * k_steps, total_steps, n_progs) + b
     last = _owner(b * k_steps + k_steps - 1, total_steps, n_progs) + b
-    tl.debug_barrier()  # every warp's partial stores precede the ticket (released by it)
     ticket = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel", scope="gpu")
     if ticket == last - first:
         raw = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
@@ -135,6 +141,8 @@ def _flush_segment(acc, sq, seg, b, k_steps, total_steps, n_progs, tile, offs_n,
         for sg in range(first, last + 1):  # segment order: the same bits whoever arrives last
             raw += tl.load(part_ptr + sg * (BLOCK_N * BLOCK_T) + tile, cache_modifier=".cg")
             tot += tl.load(sq_ptr + sg * BLOCK_T + tl.arange(0, BLOCK_T), cache_modifier=".cg")
+        offs_n = b * BLOCK_N + offs_bn
+        n_mask = offs_n < n
         inv_norm = 1.0 / tl.maximum(tl.sqrt(tot).to(tl.float32), eps)
         tau = tl.load(thr_ptr + offs_n * stride_thr, mask=n_mask, other=0.0).to(tl.float32)
         alpha = tl.load(temp_ptr + offs_n * stride_temp, mask=n_mask, other=0.0).to(tl.float32)
@@ -189,7 +197,7 @@ def _stream_write_kernel(
         tl.store(y_ptrs, (prev + acc).to(y_ptr.dtype.element_ty), mask=m)
 
 
-_DEVICE_FUNCTIONS = (_owner, _flush_segment)
+_DEVICE_FUNCTIONS = (_owner, _finish_block_if_last)
 _KERNELS = {"scores": _stream_scores_kernel, "write": _stream_write_kernel}
 
 
