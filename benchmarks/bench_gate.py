@@ -223,6 +223,18 @@ def build_providers(w: Workload, device: str, names: list[str], skipped: dict) -
             out[name] = lambda det=det: aloe_gate_residual_(
                 y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps, det
             )
+        elif name == "aloe_stream":
+            if device != "cuda":
+                skipped[name] = "the fused kernel is timed on CUDA only (on CPU it runs in the Triton interpreter)"
+                continue
+            from aloe_kernels.ops.stream_gate import STREAM_MAX_TOKENS, run_stream_gate
+
+            if w.T > STREAM_MAX_TOKENS:
+                skipped[name] = f"the streaming decode kernel takes at most {STREAM_MAX_TOKENS} tokens"
+                continue
+            out[name] = lambda: run_stream_gate(
+                y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps
+            )
         elif name == "reference":
             out[name] = lambda: y.add_(aloe_reference(h, op))
         elif name == "reference_compiled":

@@ -3,7 +3,8 @@ timed as CUDA-graph replays with L2 flushed, against the copy bandwidth measured
 in the same run.
 
 Providers (from :mod:`benchmarks.bench_gate`): ``aloe_triton`` (the fused
-kernel), ``reference`` (the unfused PyTorch formula), ``dense_lowrank`` (the
+kernel as launched by default: the split decode path), ``aloe_stream`` (the streaming decode
+kernels S + W, at most 32 tokens), ``reference`` (the unfused PyTorch formula), ``dense_lowrank`` (the
 ungated LoRA-style shrink+expand, two GEMMs) and ``cublas_scores`` (the score
 GEMM alone). Gates are sparse: one planted edit opens per token.
 
@@ -22,7 +23,9 @@ import torch
 
 from .common import Context, PartResult, float64_delta, rel_err
 
-GPU_T, GPU_N = (1, 16, 2048), (1301, 10000, 100000)
+GPU_T, GPU_N = (1, 16, 32, 2048), (1301, 2600, 10000, 100000)
+# The streaming kernel's targets at T = 1 (microseconds), per card (kernel issue).
+STREAM_TARGETS_US = {"H100": {1301: 18.0, 2600: 36.0, 10000: 138.0, 100000: 1380.0}, "H200": {1301: 16.0, 10000: 122.0}}
 SMOKE_T, SMOKE_N = (1, 4), (40, 300)
 CHECK_MAX_N = 10000  # float64 checks above this cost more memory and time than they add
 
@@ -78,13 +81,19 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
             "ref": float(ref[t, o]),
             "ref_abs_max": float(ref.abs().max()),
         }
+        if ctx.cuda and T <= 32:
+            from aloe_kernels.ops.stream_gate import run_stream_gate
+
+            ys = torch.zeros(T, w.d_out, device=ctx.device, dtype=dtype)
+            run_stream_gate(ys, w.h, w.op.addresses, w.op.thresholds, w.op.temperatures, w.op.writes, w.op.eps, w.op.gate_eps)
+            row["stream_rel_err_vs_float64"] = rel_err(ys, ref)
         if ctx.cuda:
             from benchmarks.gate_profile import autotuned_configs
 
             row["autotuned_so_far"] = autotuned_configs()
-    providers = ["aloe_triton", "reference", "dense_lowrank", "cublas_scores"]
+    providers = ["aloe_triton", "aloe_stream", "reference", "dense_lowrank", "cublas_scores"]
     if not ctx.cuda:
-        providers[0] = "sparse"  # what aloe_residual_ runs on CPU outside the interpreter
+        providers[:2] = ["sparse"]  # what aloe_residual_ runs on CPU outside the interpreter
     skipped: dict = {}
     fns = build_providers(w, ctx.device, providers, skipped)
     reps = 20 if T >= 1024 else 40
@@ -103,6 +112,12 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
         for base in ("reference", "dense_lowrank", "cublas_scores"):
             if row.get(f"{base}_us"):
                 row[f"{base}_over_aloe"] = row[f"{base}_us"] / aloe
+    stream = row.get("aloe_stream_us")
+    if stream:
+        row["stream_pct_of_copy_bw"] = 100.0 * row["address_floor_us"] / stream
+        for base in ("aloe_triton", "dense_lowrank"):
+            if row.get(f"{base}_us"):
+                row[f"{base}_over_stream"] = row[f"{base}_us"] / stream
     shown = "  ".join(f"{k[:-3]}={v:.1f}us" for k, v in row.items() if k.endswith("_us") and v)
     err = row.get("rel_err_vs_float64")
     res.log(
@@ -130,15 +145,34 @@ def judge(res: PartResult, rows: list[dict]) -> None:
         if n <= 10000:
             res.target(f"decode T=1 n={n} speed-up vs unfused PyTorch", r.get("reference_over_aloe"), ">=", 2.0, "x")
         res.target(f"decode T=1 n={n} speed-up vs shrink+expand (sparse gates)", r.get("dense_lowrank_over_aloe"), ">=", 1.0, "x")
+    _judge_stream(res, by, ns)
     T_pre = max(r["T"] for r in rows) if rows else 2048
     r = by.get((T_pre, min(ns) if ns else 1301), {})
     ratio = 1.0 / r["cublas_scores_over_aloe"] if r.get("cublas_scores_over_aloe") else None
     res.target(f"prefill T={T_pre} n={min(ns) if ns else 1301} time / cuBLAS score GEMM", ratio, "<=", 1.5, "x")
-    errs = [r["rel_err_vs_float64"] for r in rows if "rel_err_vs_float64" in r]
+    errs = [r[k] for r in rows for k in ("rel_err_vs_float64", "stream_rel_err_vs_float64") if k in r]
     tol = 2e-2 if res.data.get("dtype") == "bfloat16" else 1e-4
     if errs and max(errs) > tol:
         res.status = "fail"
     res.data["max_rel_err_vs_float64"] = max(errs) if errs else None
+
+
+def _judge_stream(res: PartResult, by: dict, ns: list) -> None:
+    """The streaming kernel's targets: time at T = 1 for this card, T = 32 against T = 1, and faster
+    than shrink+expand and than the split path at every measured decode size."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    card = next((c for c in STREAM_TARGETS_US if c in name), None)
+    for n in ns:
+        one = by.get((1, n), {})
+        if card and n in STREAM_TARGETS_US[card]:
+            res.target(f"stream T=1 n={n} time on {card}", one.get("aloe_stream_us"), "<=", STREAM_TARGETS_US[card][n], "us")
+        t32 = by.get((32, n), {})
+        ratio = t32["aloe_stream_us"] / one["aloe_stream_us"] if t32.get("aloe_stream_us") and one.get("aloe_stream_us") else None
+        res.target(f"stream n={n} time T=32 / T=1", ratio, "<=", 1.3, "x")
+        for T in sorted({t for (t, m) in by if m == n and t <= 32}):
+            r = by[(T, n)]
+            res.target(f"stream T={T} n={n} speed-up vs shrink+expand", r.get("dense_lowrank_over_stream"), ">=", 1.0, "x")
+            res.target(f"stream T={T} n={n} speed-up vs split path", r.get("aloe_triton_over_stream"), ">=", 1.0, "x")
 
 
 def run(ctx: Context) -> PartResult:

@@ -98,6 +98,48 @@ def check_residual(ctx: Context, res: PartResult, dtype: torch.dtype) -> None:
         _attempt(res, f"aloe_residual_ torch.compile {label}", compiled)
 
 
+STREAM_REPLAYS = 200
+
+
+def check_stream_replays(ctx: Context, res: PartResult, dtype: torch.dtype) -> None:
+    """The streaming decode kernels (S + W) captured once, replayed 200 times: identical bits every time."""
+    from aloe_kernels.ops import buffers
+    from aloe_kernels.ops.stream_gate import run_stream_gate
+    from benchmarks.bench_gate import make_workload
+
+    from .timing import GraphTimer
+
+    w = make_workload("llama3-8b", 1, 10000, "1", dtype, "cuda", seed=12, gen_device="cuda")
+    op, y = w.op, torch.zeros(1, w.d_out, device="cuda", dtype=dtype)
+    args = (w.h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)
+    run_stream_gate(y, *args)  # eager first: the ticket counters are allocated outside capture
+    _check(res, "stream S + W eager T=1 n=10000", y, float64_delta(w.h, op), TOL[dtype])
+    graph = GraphTimer(flush=False).capture(lambda: run_stream_gate(y.zero_(), *args))
+    graph.replay()
+    torch.cuda.synchronize()
+    first = y.clone()
+    same = 0
+    for _ in range(STREAM_REPLAYS):
+        graph.replay()
+        torch.cuda.synchronize()
+        same += int(torch.equal(y, first))
+    zero = bool((buffers.ticket_counters(y.device, 1) == 0).all())
+    ok = same == STREAM_REPLAYS and zero
+    res.data.setdefault("checks", []).append(
+        {
+            "check": "stream CUDA-graph replays bit-identical",
+            "ok": ok,
+            "identical": same,
+            "replays": STREAM_REPLAYS,
+            "counters_zero": zero,
+        }
+    )
+    res.log(f"{'PASS' if ok else 'FAIL'} stream CUDA-graph replays: {same}/{STREAM_REPLAYS} identical, counters zero: {zero}")
+    if not ok:
+        res.status = "fail"
+    _check(res, "stream CUDA-graph replay", first, float64_delta(w.h, op), TOL[dtype])
+
+
 def _tiny_or_llama_mlp(ctx: Context, dtype: torch.dtype):
     """A one-layer random Llama whose MLP has the Llama-3-8B down-projection shape (CPU: tiny)."""
     import transformers
@@ -181,6 +223,10 @@ def run(ctx: Context) -> PartResult:
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     _attempt(res, "aloe_residual_ checks", lambda: check_residual(ctx, res, dtype))
     _attempt(res, "HF patch checks", lambda: check_hf_patch(ctx, res, dtype))
+    if ctx.cuda:
+        _attempt(res, "stream replays", lambda: check_stream_replays(ctx, res, dtype))
+    else:
+        res.log("SKIP stream CUDA-graph replays: needs CUDA")
     checks = res.data.get("checks", [])
     worst = max((c.get("rel_err", 0.0) for c in checks), default=float("nan"))
     res.data["summary"] = f"{sum(c['ok'] for c in checks)}/{len(checks)} checks pass; worst rel_err vs float64 {worst:.1e}"
