@@ -16,12 +16,17 @@ An edit's gate is 0 for a token whenever its exact score is at most the edit's o
 
     screen score + r + slack < floor - floor_margin
 
-where ``slack`` covers float32 rounding in the screen's product and in the exact path's product
-(each at most ``(d + 2) 2^-24`` times the product of the norms; both are counted, with the norm of
-``u`` taken as 1 + 1e-5) and ``floor_margin`` covers the rounding of the gate's own evaluation
-near the floor (:data:`FLOOR_MARGIN`). Every other pair is kept and scored again exactly from
-the full-precision row, so the gates are those of the full-precision operator, bit for bit
-(:func:`int8_address_residual_` against :func:`aloe_kernels.residual.sparse_residual_`).
+where ``slack`` covers float32 rounding in the screen's product (its per-group sums, scalings and
+additions: at most ``(d + 2 groups + 4) 2^-24 |v_hat|``) and in the exact path's product (the same
+factor times ``|v|``), with the norm of ``u`` taken as 1 + 1e-5, and ``floor_margin`` covers the
+rounding of the gate's own evaluation near the floor (:data:`FLOOR_MARGIN`). A skipped pair's
+gate is therefore exactly 0 in the full-precision operator, and every other pair is scored again
+from the full-precision row:
+
+- here, on CPU, :func:`int8_address_residual_` runs the kept edits through the sparse path;
+- on a GPU, the streaming decode kernel takes the int8 values as a first pass and rescores the
+  kept rows in the steps of a plain call, so its output has a plain call's bits
+  (:func:`aloe_kernels.ops.stream_gate.run_stream_gate`, ``screen=``).
 """
 
 from __future__ import annotations
@@ -30,21 +35,20 @@ from dataclasses import dataclass
 
 import torch
 
+from .int8_format import GROUP, LEVELS
 from .operator import AloeOperator
 from .reference import normalize_rows, open_score_floor
 from .screened import rescore_kept_
 
 __all__ = ["FLOOR_MARGIN", "GROUP", "Int8Addresses", "int8_address_residual_"]
 
-#: Columns per float16 scale.
-GROUP = 128
-#: Largest int8 level used (symmetric: -127..127).
-LEVELS = 127
 #: Margin below each open floor, per unit of ``max(1, |floor|, |threshold|)``: the gate's own
 #: float32 evaluation (``alpha (s - tau)``, a sigmoid and a subtraction) can open a few ulps below
 #: the exact floor; this is about 100 times that.
 FLOOR_MARGIN = 1e-5
 _U = 2.0**-24  # float32 unit roundoff
+#: Bound on ``|u|_2`` for a normalised row computed in float32 (1 + a few ulps), with room.
+UNIT_SLACK = 1.0 + 1e-5
 
 
 def _round_up_f32(x: torch.Tensor) -> torch.Tensor:
@@ -102,24 +106,31 @@ class Int8Addresses:
         s = self.scales.float().repeat_interleave(GROUP, dim=1)[:, : self.d]
         return self.values.float() * s
 
-    def upper_scores(self, units: torch.Tensor, addresses_norms: torch.Tensor) -> torch.Tensor:
-        """(T, n) upper bounds of the exact scores ``units @ v.T`` plus the exact path's float error.
+    def screen_limits(
+        self, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float
+    ) -> torch.Tensor:
+        """(n,) float32: a pair may open only if its screen score ``u . v_hat`` reaches its edit's limit.
 
-        ``units``: unit (or zero) rows (T, d) in float32; ``addresses_norms``: ``|v|_2`` per edit.
+        ``floor - margin - r - slack`` (module docstring), computed in float64 and rounded down.
         """
-        screen = units.float() @ self.dequantized().T
-        unit = 1.0 + 1e-5
-        slack = (self.d + 2) * _U * unit * (self.dequant_norms + addresses_norms.float())
-        return screen + (self.error_norms * unit + slack)[None, :]
+        floor = open_score_floor(thresholds.double(), temperatures.double(), gate_eps)
+        margin = FLOOR_MARGIN * torch.maximum(torch.maximum(floor.abs(), thresholds.double().abs()), torch.ones_like(floor))
+        groups = -(-self.d // GROUP)
+        norms = torch.linalg.vector_norm(addresses.double(), dim=1)
+        slack = (self.d + 2 * groups + 4) * _U * (self.dequant_norms.double() + norms)
+        limit = floor - margin - (self.error_norms.double() + slack) * UNIT_SLACK
+        f = limit.float()
+        return torch.where(f.double() > limit, torch.nextafter(f, torch.full_like(f, -float("inf"))), f)
 
     def may_open(
         self, units: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float
     ) -> torch.Tensor:
-        """(T, n) bool: False where the pair is provably closed (its gate is 0 in the full operator)."""
-        floor = open_score_floor(thresholds.float(), temperatures.float(), gate_eps)
-        margin = FLOOR_MARGIN * torch.maximum(torch.maximum(floor.abs(), thresholds.float().abs()), torch.ones_like(floor))
-        norms = torch.linalg.vector_norm(addresses.float(), dim=1)
-        return self.upper_scores(units, norms) >= (floor - margin)[None, :]
+        """(T, n) bool: False where the pair is provably closed (its gate is 0 in the full operator).
+
+        ``units``: unit (or zero) rows (T, d) in float32.
+        """
+        screen = units.float() @ self.dequantized().T
+        return screen >= self.screen_limits(addresses, thresholds, temperatures, gate_eps)[None, :]
 
     def kept(
         self, units: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor, temperatures: torch.Tensor, gate_eps: float

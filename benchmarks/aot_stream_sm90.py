@@ -5,7 +5,8 @@ streaming loop of S does every step: the width of its ``cp.async`` copies, wheth
 ``wgmma`` or ``mma.sync``, and the divisions, shuffles and barriers on the path every step takes
 (the loop's blocks that dominate its back edge, from the PTX's control-flow graph; the blocks of
 the conditional segment store are excluded and counted apart). Bytes in flight per SM: the
-pipeline's ``stages - 1`` prefetched (address + state) tiles of the one program per SM. Writes a
+shared memory of the one program per SM less the one step's tiles being read (the pipeline's
+buffers hold the steps requested ahead). Writes a
 markdown table (from the repository root, with the Triton of the GPU machine, 3.6)::
 
     TRITON_INTERPRET=0 python -m benchmarks.aot_stream_sm90 [--out benchmarks/results/gpu/aot_stream_sm90.md]
@@ -26,7 +27,7 @@ OUT = ROOT / "benchmarks" / "results" / "gpu" / "aot_stream_sm90.md"
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # What an ordinary launch specialises (contiguous tensors, 16-aligned, d = 14336, d_out = 4096).
 S_UNIT = ("stride_hd", "stride_ad", "stride_thr", "stride_temp")
-S_DIV16 = ("d", "stride_ht", "stride_an")
+S_DIV16 = ("d", "stride_ht", "stride_an", "stride_qs")
 W_UNIT = ("stride_wo", "stride_yo")
 W_DIV16 = ("d_out", "stride_wn", "stride_yt")
 
@@ -126,30 +127,25 @@ def _s_rows() -> list:
         for bt, bn, bd, warps, stages in space:
             if warps == 8 and bn == 64:
                 continue  # 8 warps need 128 edit rows (two warpgroups of 64)
-            ptrs = {
-                "h_ptr": f"*{dt}",
-                "a_ptr": f"*{dt}",
-                "thr_ptr": "*fp32",
-                "temp_ptr": "*fp32",
-                "part_ptr": "*fp32",
-                "sq_ptr": "*fp64",
-                "ticket_ptr": "*i32",
-                "flag_ptr": "*i32",
-                "gate_ptr": "*fp32",
-                "perm_ptr": "*i32",
-            }
-            consts = {
-                "PERMUTED": False,
-                "CAST": False,
-                "DOT_PREC": "ieee",
-                "USE_PDL": True,
-                "BLOCK_T": bt,
-                "BLOCK_N": bn,
-                "BLOCK_D": bd,
-            }
-            in_flight = (stages - 1) * (bn * bd + bd * bt) * BYTES[dt]
-            rows.append(("scores", dt, ptrs, consts, warps, stages, in_flight, S_UNIT, S_DIV16))
+            rows.append(_s_row(dt, dt, 0, bt, bn, bd, warps, stages))
+    # The int8 screen (MODE 1, one 128-column scale group a step) and the rescoring of the kept rows
+    # (MODE 2), at the default tiles.
+    for bt in (16, 32):
+        rows.append(_s_row("bf16", "i8", 1, bt, 64, 128, 4, 6))  # stream_gate._GPU_SCREEN_STAGES
+        rows.append(_s_row("bf16", "bf16", 2, bt, 64, 128, 4, 4))
     return rows
+
+
+def _s_row(dt: str, adt: str, mode: int, bt: int, bn: int, bd: int, warps: int, stages: int) -> tuple:
+    """One configuration of kernel S: state dtype, address dtype (``i8`` for the screen), mode, tiles."""
+    ptrs = {"h_ptr": f"*{dt}", "a_ptr": f"*{adt}", "thr_ptr": "*fp32", "temp_ptr": "*fp32", "part_ptr": "*fp32"}
+    ptrs.update({"sq_ptr": "*fp64", "ticket_ptr": "*i32", "flag_ptr": "*i32", "gate_ptr": "*fp32", "perm_ptr": "*i32"})
+    ptrs.update({"qs_ptr": "*fp16", "lim_ptr": "*fp32", "keep_ptr": "*i32"})
+    consts = {"MODE": mode, "PERMUTED": False, "CAST": False, "DOT_PREC": "ieee", "USE_PDL": True}
+    consts.update({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd})
+    tile = bn * bd * (1 if adt == "i8" else BYTES[adt]) + bd * bt * BYTES[dt]  # one step's address + state bytes
+    label = {0: dt, 1: f"{dt}, int8 screen", 2: f"{dt}, rescore kept"}[mode]
+    return ("scores", label, ptrs, consts, warps, stages, tile, S_UNIT, S_DIV16)
 
 
 def _w_rows() -> list:
@@ -172,6 +168,7 @@ def _w_rows() -> list:
 
 def _default_marks() -> set:
     """(kernel, dtype, blocks...) of what the launcher picks on a GPU for one and for 32 tokens."""
+    from aloe_kernels.int8_format import GROUP
     from aloe_kernels.ops import stream_gate as sg
 
     marks = set()
@@ -181,6 +178,10 @@ def _default_marks() -> set:
             b = sg.stream_blocks(bt, False, fp32_scores=wide, fp32_writes=wide)
             marks.add(("scores", dt, b["block_t"], b["block_n"], b["block_d"], sg._GPU_WARPS, sg._GPU_STAGES))
             marks.add(("write", dt, b["block_t"], b["block_o"]))
+        # with an int8 screen: its pass, then the rescoring of the kept rows at the plain tiles
+        b = sg.stream_blocks(bt, False)
+        marks.add(("scores", "bf16, int8 screen", b["block_t"], b["block_n"], GROUP, sg._GPU_WARPS, sg._GPU_SCREEN_STAGES))
+        marks.add(("scores", "bf16, rescore kept", b["block_t"], b["block_n"], b["block_d"], sg._GPU_WARPS, sg._GPU_STAGES))
     return marks
 
 
@@ -193,7 +194,7 @@ def compile_config(kernels: dict, row: tuple) -> dict:
 
     from benchmarks.aot_sm90 import _ptxas_stats, kernel_signature
 
-    kname, dt, ptrs, consts, warps, stages, in_flight, unit, div16 = row
+    kname, dt, ptrs, consts, warps, stages, _, unit, div16 = row
     fn = kernels[kname]
     cx_all = {**consts, **{a: 1 for a in unit}}
     attrs = {
@@ -245,7 +246,7 @@ def main() -> None:
     marks = _default_marks()
     lines, t0 = [], time.time()
     for row in _s_rows() + _w_rows():
-        kname, dt, _, consts, warps, stages, in_flight = row[:7]
+        kname, dt, _, consts, warps, stages, tile = row[:7]
         blocks = ", ".join(f"{k[6:]}={v}" for k, v in consts.items() if k.startswith("BLOCK_"))
         default = "yes" if _row_key(row) in marks else ""
         try:
@@ -258,7 +259,7 @@ def main() -> None:
                     r["product"],
                     f"{c['div']}/{c['shfl']}/{c['bar']}",
                     f"{cs['div']}/{cs['shfl']}/{cs['bar']}",
-                    f"{in_flight // 1024} KB",
+                    f"{max(0, r['shared'] - tile) // 1024} KB",
                 ]
             else:
                 cells += ["", r["product"], "", "", ""]
@@ -282,8 +283,8 @@ def _write(path: Path, version: str, lines: list, seconds: float) -> None:
         "`default`: what `aloe_kernels/ops/stream_gate.py` launches on a GPU. `step: div/shfl/bar`: divisions",
         "(div, rcp), warp shuffles and barriers on the path every step of S's streaming loop takes;",
         "`segment end`: the same in the loop's conditional block that stores a segment's partials (once",
-        "per edit block a program leaves). `in flight`: bytes of address and state tiles the pipeline has",
-        "requested ahead, per SM (one program per SM). Registers and spills from `ptxas -v`, shared",
+        "per edit block a program leaves). `in flight`: shared memory less the step being read (address",
+        "and state tiles requested ahead), per SM (one program per SM). Registers and spills from `ptxas -v`, shared",
         "memory in bytes per block (sm_90 allows 232,448). No GPU has run these kernels yet: this table",
         "says how they compile, not how fast they are.",
         "",

@@ -20,6 +20,7 @@ import os
 import torch
 import triton
 
+from ..int8_format import GROUP
 from ..runtime import triton_interpreting
 from . import buffers
 from .buffers import device_guard
@@ -44,6 +45,8 @@ _GPU_FP32_BLOCK_D = 64
 _GPU_FP32_BLOCK_O = 32
 _GPU_WARPS = 4
 _GPU_STAGES = 4
+# The int8 screen's tiles are half as large: 6 stages keep 60 KB in flight per SM.
+_GPU_SCREEN_STAGES = 6
 # Under the interpreter: small tiles, so that tests see several blocks, steps and programs.
 _INTERPRETER_BLOCKS = (16, 32, 16)
 
@@ -80,12 +83,18 @@ def stream_blocks(T: int, interpret: bool, block_t: int = 0, block_n: int = 0, b
 def run_stream_gate(y2: torch.Tensor, h2: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
                     temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float, *,
                     programs: int = 0, blocks_given: tuple = (0, 0, 0, 0),
-                    program_order: torch.Tensor | None = None) -> None:
+                    program_order: torch.Tensor | None = None, screen: tuple | None = None) -> None:
     """``y2 += U g(h2)`` with kernel S then kernel W (two launches); ``T <= STREAM_MAX_TOKENS``.
 
     ``programs``: number of persistent programs of S (0: one per SM). ``program_order``: a
     permutation of ``range(programs)`` mapping launch slots to programs (tests only: under the
     interpreter programs run in launch order, so this decides which arrives last).
+
+    ``screen``: ``(values, scales, limits)`` of int8 addresses
+    (:class:`aloe_kernels.int8_addresses.Int8Addresses` and its ``screen_limits``). Then a first S
+    pass streams the int8 values and marks the edits some token may open; the second reads only
+    those rows of ``addresses``, in the same steps and segments as a plain call, so every gate has
+    the bits a plain call gives (three launches).
     """
     T, d_out = y2.shape
     n, d = addresses.shape
@@ -97,35 +106,23 @@ def run_stream_gate(y2: torch.Tensor, h2: torch.Tensor, addresses: torch.Tensor,
     f32 = torch.float32
     b = stream_blocks(T, interpret, *blocks_given, fp32_scores=f32 in (h2.dtype, addresses.dtype),
                       fp32_writes=writes.dtype == f32)
-    bt, bn, bd, bo = b["block_t"], b["block_n"], b["block_d"], b["block_o"]
-    n_blocks, k_steps = triton.cdiv(n, bn), triton.cdiv(d, bd)
-    total = n_blocks * k_steps
-    progs = max(1, min(programs if programs > 0 else sm_count(y2.device), total))
-    if (total + 1) * progs >= 2**31:  # the kernel's step arithmetic is 32-bit
-        raise ValueError(f"{n} edits x {d} columns is too many steps for the streaming kernel; use the split one")
+    bt, bn, bo = b["block_t"], b["block_n"], b["block_o"]
     dev = y2.device
-    part = buffers.empty_workspace((progs + n_blocks, bn, bt), dev, torch.float32)
-    sq = buffers.empty_workspace((progs + n_blocks, bt), dev, torch.float64)
+    n_blocks = triton.cdiv(n, bn)
     gates = buffers.empty_workspace((n_blocks, bn, bt), dev, torch.float32)
     flags = buffers.empty_workspace((n_blocks,), dev, torch.int32)
-    tickets = buffers.ticket_counters(dev, n_blocks)
-    permuted = program_order is not None
-    if permuted and (program_order.numel() != progs or program_order.device != dev):
-        raise ValueError(f"program_order must hold {progs} program ids on {dev}")
+    keep = buffers.empty_workspace((n,), dev, torch.int32) if screen is not None else flags
     use_pdl = (not interpret) and torch.cuda.get_device_capability(dev)[0] >= 9
     k = jit_stream_kernels(interpret)
     extra = {} if interpret else {"num_warps": _GPU_WARPS, "num_stages": _GPU_STAGES}
+    common = dict(h2=h2, thresholds=thresholds, temperatures=temperatures, gates=gates, flags=flags, keep=keep,
+                  eps=eps, gate_eps=gate_eps, bt=bt, bn=bn, programs=programs, use_pdl=use_pdl, extra=extra)
     with device_guard(y2):
-        k["scores"][(progs,)](
-            h2, addresses, thresholds, temperatures, part, sq, tickets, flags, gates,
-            program_order.to(torch.int32) if permuted else flags,
-            T, n, d, k_steps, total, progs,
-            h2.stride(0), h2.stride(1), addresses.stride(0), addresses.stride(1),
-            thresholds.stride(0), temperatures.stride(0),
-            float(eps), float(gate_eps), 1.0 / (1.0 - float(gate_eps)),
-            PERMUTED=permuted, CAST=interpret or h2.dtype != addresses.dtype, DOT_PREC="ieee", USE_PDL=use_pdl,
-            BLOCK_T=bt, BLOCK_N=bn, BLOCK_D=bd, **extra,
-        )
+        if screen is not None:
+            values, scales, limits = screen
+            _check_screen(values, scales, limits, n, d)
+            _launch_scores(k, 1, values, GROUP, common, qs=scales, lim=limits)
+        _launch_scores(k, 2 if screen is not None else 0, addresses, b["block_d"], common, order=program_order)
         k["write"][(triton.cdiv(d_out, bo),)](
             flags, gates, writes, y2, T, n_blocks, d_out,
             writes.stride(0), writes.stride(1), y2.stride(0), y2.stride(1),
@@ -133,3 +130,47 @@ def run_stream_gate(y2: torch.Tensor, h2: torch.Tensor, addresses: torch.Tensor,
             BLOCK_T=bt, BLOCK_N=bn, BLOCK_O=bo, BLOCK_F=_FLAG_BLOCK,
             **extra, **({"launch_pdl": True} if use_pdl else {}),
         )
+
+
+def _check_screen(values: torch.Tensor, scales: torch.Tensor, limits: torch.Tensor, n: int, d: int) -> None:
+    if values.dtype != torch.int8 or tuple(values.shape) != (n, d) or values.stride(1) != 1:
+        raise ValueError(f"screen values must be contiguous int8 ({n}, {d}), got {values.dtype} {tuple(values.shape)}")
+    if scales.dtype != torch.float16 or tuple(scales.shape) != (n, triton.cdiv(d, GROUP)):
+        raise ValueError(f"screen scales must be float16 ({n}, {triton.cdiv(d, GROUP)}), got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    if limits.dtype != torch.float32 or tuple(limits.shape) != (n,):
+        raise ValueError(f"screen limits must be float32 ({n},), got {limits.dtype} {tuple(limits.shape)}")
+
+
+def _launch_scores(k: dict, mode: int, a: torch.Tensor, bd: int, c: dict, qs: torch.Tensor | None = None,
+                   lim: torch.Tensor | None = None, order: torch.Tensor | None = None) -> None:
+    """One pass of kernel S over ``a`` (addresses, or int8 values with ``mode`` 1) in steps of ``bd`` columns."""
+    h2, bt, bn = c["h2"], c["bt"], c["bn"]
+    T = h2.shape[0]
+    n, d = a.shape
+    dev = h2.device
+    # int8 values are exact in the state's dtype; a float32 state, or the interpreter, takes fp32 tiles
+    cast = triton_interpreting() or (h2.dtype == torch.float32 if mode == 1 else h2.dtype != a.dtype)
+    n_blocks, k_steps = triton.cdiv(n, bn), triton.cdiv(d, bd)
+    total = n_blocks * k_steps
+    progs = max(1, min(c["programs"] if c["programs"] > 0 else sm_count(dev), total))
+    if (total + 1) * progs >= 2**31:  # the kernel's step arithmetic is 32-bit
+        raise ValueError(f"{n} edits x {d} columns is too many steps for the streaming kernel; use the split one")
+    if order is not None and (order.numel() != progs or order.device != dev):
+        raise ValueError(f"program_order must hold {progs} program ids on {dev}")
+    part = buffers.empty_workspace((progs + n_blocks, bn, bt), dev, torch.float32)
+    sq = buffers.empty_workspace((progs + n_blocks, bt), dev, torch.float64)
+    tickets = buffers.ticket_counters(dev, n_blocks)
+    flags = c["flags"]
+    k["scores"][(progs,)](
+        h2, a, c["thresholds"], c["temperatures"], part, sq, tickets, flags, c["gates"],
+        order.to(torch.int32) if order is not None else flags,
+        qs if qs is not None else flags, lim if lim is not None else flags, c["keep"],
+        T, n, d, k_steps, total, progs,
+        h2.stride(0), h2.stride(1), a.stride(0), a.stride(1),
+        c["thresholds"].stride(0), c["temperatures"].stride(0), qs.stride(0) if qs is not None else 0,
+        float(c["eps"]), float(c["gate_eps"]), 1.0 / (1.0 - float(c["gate_eps"])),
+        MODE=mode, PERMUTED=order is not None, CAST=cast,
+        DOT_PREC="ieee", USE_PDL=c["use_pdl"], BLOCK_T=bt, BLOCK_N=bn, BLOCK_D=bd,
+        **({**c["extra"], "num_stages": _GPU_SCREEN_STAGES} if mode == 1 and c["extra"] else c["extra"]),
+    )

@@ -73,10 +73,11 @@ def _owner(step, total_steps, n_progs):
 
 def _stream_scores_kernel(
     h_ptr, a_ptr, thr_ptr, temp_ptr, part_ptr, sq_ptr, ticket_ptr, flag_ptr, gate_ptr, perm_ptr,
+    qs_ptr, lim_ptr, keep_ptr,
     T, n, d, k_steps, total_steps, n_progs,
-    stride_ht, stride_hd, stride_an, stride_ad, stride_thr, stride_temp,
+    stride_ht, stride_hd, stride_an, stride_ad, stride_thr, stride_temp, stride_qs,
     eps, gate_eps, inv_one_minus_geps,
-    PERMUTED: tl.constexpr, CAST: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
+    MODE: tl.constexpr, PERMUTED: tl.constexpr, CAST: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -100,14 +101,25 @@ def _stream_scores_kernel(
         d_mask = offs_d < d
         x_t = tl.load(h_ptr + offs_t[None, :] * stride_ht + offs_d[:, None] * stride_hd,
                       mask=d_mask[:, None] & t_mask[None, :], other=0.0)          # (BLOCK_D, BLOCK_T)
+        row_mask = n_mask
+        if MODE == 2:  # rescoring: only the rows the screen kept are read
+            row_mask = n_mask & (tl.load(keep_ptr + offs_n, mask=n_mask, other=0) > 0)
         v = tl.load(a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + offs_d[None, :] * stride_ad,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)            # (BLOCK_N, BLOCK_D)
+                    mask=row_mask[:, None] & d_mask[None, :], other=0)            # (BLOCK_N, BLOCK_D)
         x64 = x_t.to(tl.float64)
         sq += x64 * x64
-        if CAST:
-            x_t = x_t.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = tl.dot(v, x_t, acc, input_precision=DOT_PREC)
+        if MODE == 1:  # screen: int8 values (exact in the state's dtype), one scale per step (BLOCK_D = group)
+            sc = tl.load(qs_ptr + offs_n * stride_qs + kk, mask=n_mask, other=0.0).to(tl.float32)
+            if CAST:
+                part = tl.dot(v.to(tl.float32), x_t.to(tl.float32), input_precision=DOT_PREC)
+            else:
+                part = tl.dot(v.to(x_t.dtype), x_t)
+            acc += sc[:, None] * part
+        else:
+            if CAST:
+                x_t = x_t.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = tl.dot(v, x_t, acc, input_precision=DOT_PREC)
         if (kk == k_steps - 1) | (s == s_hi - 1):  # the segment ends: store its partials
             tl.store(part_ptr + (pid + b) * (BLOCK_N * BLOCK_T) + tile, acc)
             tl.store(sq_ptr + (pid + b) * BLOCK_T + offs_t, tl.sum(sq, axis=0))
@@ -122,16 +134,18 @@ def _stream_scores_kernel(
     tl.debug_barrier()
     for blk in range(s_lo // k_steps, (s_hi - 1) // k_steps + 1):
         _finish_block_if_last(blk, k_steps, total_steps, n_progs, tile, offs_bn, t_mask, part_ptr, sq_ptr, ticket_ptr,
-                              flag_ptr, gate_ptr, thr_ptr, temp_ptr, n, stride_thr, stride_temp, eps, gate_eps,
-                              inv_one_minus_geps, BLOCK_T, BLOCK_N)
+                              flag_ptr, gate_ptr, thr_ptr, temp_ptr, lim_ptr, keep_ptr, n, stride_thr, stride_temp,
+                              eps, gate_eps, inv_one_minus_geps, MODE, BLOCK_T, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 def _finish_block_if_last(b, k_steps, total_steps, n_progs, tile, offs_bn, t_mask, part_ptr, sq_ptr, ticket_ptr,
-                          flag_ptr, gate_ptr, thr_ptr, temp_ptr, n, stride_thr, stride_temp, eps, gate_eps,
-                          inv_one_minus_geps, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Take a ticket of edit block ``b``; the program that takes the last one finishes the block."""
+                          flag_ptr, gate_ptr, thr_ptr, temp_ptr, lim_ptr, keep_ptr, n, stride_thr, stride_temp,
+                          eps, gate_eps, inv_one_minus_geps, MODE: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    """Take a ticket of edit block ``b``; the program that takes the last one finishes the block:
+    its gates and open flag (MODE 0 and 2) or, for the screen (MODE 1), its rows' keep flags."""
     first = _owner(b * k_steps, total_steps, n_progs) + b
     last = _owner(b * k_steps + k_steps - 1, total_steps, n_progs) + b
     ticket = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel", scope="gpu")
@@ -143,17 +157,25 @@ def _finish_block_if_last(b, k_steps, total_steps, n_progs, tile, offs_bn, t_mas
             tot += tl.load(sq_ptr + sg * BLOCK_T + tl.arange(0, BLOCK_T), cache_modifier=".cg")
         offs_n = b * BLOCK_N + offs_bn
         n_mask = offs_n < n
+        valid = n_mask[:, None] & t_mask[None, :]
         inv_norm = 1.0 / tl.maximum(tl.sqrt(tot).to(tl.float32), eps)
-        tau = tl.load(thr_ptr + offs_n * stride_thr, mask=n_mask, other=0.0).to(tl.float32)
-        alpha = tl.load(temp_ptr + offs_n * stride_temp, mask=n_mask, other=0.0).to(tl.float32)
-        # Clamped below so exp(-z) stays finite; sigmoid(-80) is far inside the dead zone anyway.
-        z = tl.maximum(alpha[:, None] * (raw * inv_norm[None, :] - tau[:, None]), -80.0)
-        g = tl.maximum(tl.sigmoid(z) - gate_eps, 0.0) * inv_one_minus_geps
-        g = tl.where(n_mask[:, None] & t_mask[None, :], g, 0.0)
-        is_open = (tl.max(tl.max(g, axis=1), axis=0) > 0.0).to(tl.int32)
-        tl.store(flag_ptr + b, is_open)
-        if is_open > 0:
-            tl.store(gate_ptr + b * (BLOCK_N * BLOCK_T) + tile, g)
+        if MODE == 1:
+            limit = tl.load(lim_ptr + offs_n, mask=n_mask, other=float("inf"))
+            may = (raw * inv_norm[None, :] >= limit[:, None]) & valid
+            tl.store(keep_ptr + offs_n, tl.max(may.to(tl.int32), axis=1), mask=n_mask)
+        else:
+            tau = tl.load(thr_ptr + offs_n * stride_thr, mask=n_mask, other=0.0).to(tl.float32)
+            alpha = tl.load(temp_ptr + offs_n * stride_temp, mask=n_mask, other=0.0).to(tl.float32)
+            # Clamped below so exp(-z) stays finite; sigmoid(-80) is far inside the dead zone anyway.
+            z = tl.maximum(alpha[:, None] * (raw * inv_norm[None, :] - tau[:, None]), -80.0)
+            g = tl.maximum(tl.sigmoid(z) - gate_eps, 0.0) * inv_one_minus_geps
+            if MODE == 2:  # rows the screen dropped are provably closed
+                valid = valid & (tl.load(keep_ptr + offs_n, mask=n_mask, other=0) > 0)[:, None]
+            g = tl.where(valid, g, 0.0)
+            is_open = (tl.max(tl.max(g, axis=1), axis=0) > 0.0).to(tl.int32)
+            tl.store(flag_ptr + b, is_open)
+            if is_open > 0:
+                tl.store(gate_ptr + b * (BLOCK_N * BLOCK_T) + tile, g)
         tl.atomic_xchg(ticket_ptr + b, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 

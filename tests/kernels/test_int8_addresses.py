@@ -79,9 +79,12 @@ def test_bound_holds_and_is_tight_along_the_error():
     h = states(op, 64, seed=4, along=along)
     units = normalize_rows(h, op.eps)
     exact = units.double() @ op.addresses.double().T
-    upper = q.upper_scores(units, torch.linalg.vector_norm(op.addresses, dim=1)).double()
-    assert bool((exact <= upper).all())
     screen = units.double() @ q.dequantized().double().T
+    assert bool((exact - screen <= q.error_norms.double()[None, :] * (1 + 1e-5)).all())
+    # Every pair the limits skip is below its open floor in float64 (with room for the float32 product).
+    floor = op.thresholds.double() + math.log(GATE_EPS / (1 - GATE_EPS)) / op.temperatures.double()
+    limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps).double()
+    assert bool((limits < floor).all())
     for i, e in enumerate(along):  # the adversarial state: the true score exceeds the screen's by about r
         gap = float(exact[64 + i, e] - screen[64 + i, e])
         assert gap >= 0.999 * float(q.error_norms[e])

@@ -229,3 +229,97 @@ def test_two_launches_per_call(monkeypatch):
     y = run(torch.zeros(T, d_out), h, op, programs=2)
     assert calls == ["scores", "write"]
     assert rel_err(y, ref_delta(h, op)[0]) <= FP32_TOL
+
+
+# ------------------------------------------------------------- int8 screen
+def _screened(h, op, q, programs, order=None, **blocks):
+    from aloe_kernels.int8_addresses import Int8Addresses  # noqa: F401
+
+    y = torch.zeros(h.shape[0], op.d_out)
+    limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
+    stream.run_stream_gate(
+        y,
+        h,
+        op.addresses,
+        op.thresholds,
+        op.temperatures,
+        op.writes,
+        op.eps,
+        op.gate_eps,
+        programs=programs,
+        program_order=order,
+        screen=(q.values, q.scales, limits),
+        blocks_given=tuple(blocks.get(k, 0) for k in ("block_t", "block_n", "block_d", "block_o")),
+    )
+    return y
+
+
+@pytest.mark.parametrize(
+    "T,n,d,programs,dtype",
+    [
+        (1, 1, 130, 1, torch.float32),
+        (3, 40, 300, 4, torch.float32),
+        (9, 70, 257, 6, torch.float32),
+        (5, 50, 300, 3, torch.bfloat16),
+    ],
+)
+def test_int8_screen_gives_the_plain_bits(T, n, d, programs, dtype):
+    """The int8 pass keeps every edit that opens; the rescoring pass reproduces the plain call's bits."""
+    from aloe_kernels.int8_addresses import Int8Addresses
+
+    h, op = make_case(T, d, 24, n, "mixed", seed=T * 5 + n)
+    op = op.to(dtype=torch.float32)
+    # Built addresses have norms of about 100 (the screen's error grows with them); the same gates.
+    op.addresses.mul_(120.0)
+    op.thresholds.mul_(120.0)
+    op.temperatures.div_(120.0)
+    h, op = h.to(dtype), op.to(dtype=dtype)
+    q = Int8Addresses.quantize(op.addresses)
+    ref, g = ref_delta(h, op)
+    plain = run(torch.zeros(T, 24), h, op, programs)
+    got = _screened(h, op, q, programs)
+    assert torch.equal(got, plain)
+    assert rel_err(got, ref) <= (FP32_TOL if dtype == torch.float32 else HALF_TOL)
+    units = torch.nn.functional.normalize(h.double(), dim=1).float()
+    kept = q.may_open(units, op.addresses, op.thresholds, op.temperatures, op.gate_eps).any(dim=0)
+    if n > 1:
+        assert 0 < int(kept.sum()) < n, "the case should let the screen drop some edits"
+    assert counters_zero()
+
+
+def test_int8_screen_kept_rows_only_are_read(monkeypatch):
+    """The rescoring pass reads no address row the screen dropped: poison them, the result stays."""
+    from aloe_kernels.int8_addresses import Int8Addresses
+
+    T, n, d = 4, 60, 300
+    h, op = make_case(T, d, 24, n, "mixed", seed=77)
+    q = Int8Addresses.quantize(op.addresses)
+    units = torch.nn.functional.normalize(h.double(), dim=1).float()
+    kept = q.may_open(units, op.addresses, op.thresholds, op.temperatures, op.gate_eps).any(dim=0)
+    assert 0 < int(kept.sum()) < n
+    want = _screened(h, op, q, programs=5)
+    op.addresses[~kept] = float("nan")
+    assert torch.equal(_screened(h, op, q, programs=5), want)
+
+
+def test_int8_screen_adversarial_state_is_kept():
+    """A state along an edit's quantisation error, with the floor between its screen and exact scores."""
+    import math
+
+    from aloe_kernels.int8_addresses import Int8Addresses
+
+    T, n, d = 2, 30, 300
+    h, op = make_case(T, d, 24, n, "closed", seed=9)
+    q = Int8Addresses.quantize(op.addresses)
+    err = (op.addresses[4].double() - q.dequantized()[4].double()).float()
+    h = torch.cat([h, (err / err.norm())[None] + 0.0 * h[:1]])
+    u = torch.nn.functional.normalize(h[-1].double(), dim=0)
+    exact, screen = float(u @ op.addresses[4].double()), float(u @ q.dequantized()[4].double())
+    assert exact - screen > 0.9 * float(q.error_norms[4])
+    logit = math.log(op.gate_eps / (1 - op.gate_eps))
+    op.thresholds[4] = float((exact + screen) / 2 - logit / float(op.temperatures[4]))
+    ref, g = ref_delta(h, op)
+    assert bool(g[-1, 4] > 0)  # open only because of the error: its screen score is below the floor
+    got = _screened(h, op, q, programs=3)
+    assert torch.equal(got, run(torch.zeros(T + 1, 24), h, op, 3))
+    assert rel_err(got, ref) <= FP32_TOL

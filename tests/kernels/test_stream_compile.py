@@ -52,7 +52,8 @@ def compiled():
 
 
 def test_defaults_compile_without_spills(compiled):
-    assert len(compiled) == 8, sorted(compiled)  # S and W, bf16 and fp32, 16 and 32 tokens
+    # S and W, bf16 and fp32, 16 and 32 tokens; the int8 screen and rescoring passes (bf16)
+    assert len(compiled) == 12, sorted(compiled)
     for key, r in compiled.items():
         assert "error" not in r, (key, r.get("error"))
         assert r["spills"] == 0 and r["shared"] <= H100_SHARED, (key, r)
@@ -60,10 +61,11 @@ def test_defaults_compile_without_spills(compiled):
 
 def test_streaming_loop_is_pipelined_without_divisions_or_shuffles(compiled):
     scores = {k: r for k, r in compiled.items() if k.startswith("('scores'")}
-    assert len(scores) == 4
+    assert len(scores) == 8
     for key, r in scores.items():
         step = r["step"]
-        assert step["cp.async"].endswith("x16B") and not step["cp.async"].startswith("0x"), (key, step)
+        # the address tiles come in 16-byte copies (small side loads, flags or scales, may be narrower)
+        assert step["cp.async"].endswith("16B") and not step["cp.async"].startswith("0x"), (key, step)
         assert step["div"] == 0 and step["shfl"] == 0, (key, step)
         if "'bf16'" in key:
             assert r["product"] == "wgmma", (key, r)
