@@ -4,7 +4,8 @@ in the same run.
 
 Providers (from :mod:`benchmarks.bench_gate`): ``aloe_triton`` (the fused
 kernel as launched by default: the split decode path), ``aloe_stream`` (the streaming decode
-kernels S + W, at most 32 tokens), ``reference`` (the unfused PyTorch formula), ``dense_lowrank`` (the
+kernels S + W, at most 32 tokens), ``aloe_stream_int8`` (the same with the int8 address screen
+first), ``reference`` (the unfused PyTorch formula), ``dense_lowrank`` (the
 ungated LoRA-style shrink+expand, two GEMMs) and ``cublas_scores`` (the score
 GEMM alone). Gates are sparse: one planted edit opens per token.
 
@@ -87,13 +88,28 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
             ys = torch.zeros(T, w.d_out, device=ctx.device, dtype=dtype)
             run_stream_gate(ys, w.h, w.op.addresses, w.op.thresholds, w.op.temperatures, w.op.writes, w.op.eps, w.op.gate_eps)
             row["stream_rel_err_vs_float64"] = rel_err(ys, ref)
+            from benchmarks.bench_gate import int8_screen
+
+            yq = torch.zeros(T, w.d_out, device=ctx.device, dtype=dtype)
+            screen = int8_screen(w.op)
+            run_stream_gate(
+                yq, w.h, w.op.addresses, w.op.thresholds, w.op.temperatures, w.op.writes, w.op.eps, w.op.gate_eps, screen=screen
+            )
+            row["int8_output_bits_equal_stream"] = bool(torch.equal(yq, ys))
+            from aloe_kernels.int8_addresses import Int8Addresses
+
+            units = torch.nn.functional.normalize(w.h.float(), dim=1)
+            may = Int8Addresses.quantize(w.op.addresses).may_open(
+                units, w.op.addresses, w.op.thresholds, w.op.temperatures, w.op.gate_eps
+            )
+            row["int8_keep_rate"] = float(may.any(dim=0).float().mean())
         if ctx.cuda:
             from benchmarks.gate_profile import autotuned_configs
 
             row["autotuned_so_far"] = autotuned_configs()
-    providers = ["aloe_triton", "aloe_stream", "reference", "dense_lowrank", "cublas_scores"]
+    providers = ["aloe_triton", "aloe_stream", "aloe_stream_int8", "reference", "dense_lowrank", "cublas_scores"]
     if not ctx.cuda:
-        providers[:2] = ["sparse"]  # what aloe_residual_ runs on CPU outside the interpreter
+        providers[:3] = ["sparse"]  # what aloe_residual_ runs on CPU outside the interpreter
     skipped: dict = {}
     fns = build_providers(w, ctx.device, providers, skipped)
     reps = 20 if T >= 1024 else 40
@@ -118,6 +134,8 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
         for base in ("aloe_triton", "dense_lowrank"):
             if row.get(f"{base}_us"):
                 row[f"{base}_over_stream"] = row[f"{base}_us"] / stream
+        if row.get("aloe_stream_int8_us"):
+            row["stream_over_int8"] = stream / row["aloe_stream_int8_us"]
     shown = "  ".join(f"{k[:-3]}={v:.1f}us" for k, v in row.items() if k.endswith("_us") and v)
     err = row.get("rel_err_vs_float64")
     res.log(
@@ -173,6 +191,15 @@ def _judge_stream(res: PartResult, by: dict, ns: list) -> None:
             r = by[(T, n)]
             res.target(f"stream T={T} n={n} speed-up vs shrink+expand", r.get("dense_lowrank_over_stream"), ">=", 1.0, "x")
             res.target(f"stream T={T} n={n} speed-up vs split path", r.get("aloe_triton_over_stream"), ">=", 1.0, "x")
+            if n >= 10000:
+                res.target(f"int8 addresses T={T} n={n} speed-up vs bf16 stream", r.get("stream_over_int8"), ">=", 1.6, "x")
+            if "int8_output_bits_equal_stream" in r:
+                res.target(
+                    f"int8 addresses T={T} n={n} output bits equal the bf16 stream's",
+                    float(r["int8_output_bits_equal_stream"]),
+                    ">=",
+                    1.0,
+                )
 
 
 def run(ctx: Context) -> PartResult:
