@@ -187,13 +187,20 @@ def _other_rows() -> list:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
+def start(doc: str, default_out: Path) -> Path:
+    """The ``--out`` of an ahead-of-time script; refuses the interpreter (interpreted Triton cannot
+    compile) and puts the repository root on ``sys.path``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=default_out)
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("run with TRITON_INTERPRET=0: interpreted Triton cannot compile")
     sys.path.insert(0, str(ROOT))
+    return args.out
+
+
+def main() -> None:
+    out = start(__doc__, OUT)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -221,7 +228,7 @@ def main() -> None:
             cells = ["error", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", ""]
         lines.append(f"| {kname} | {mode} | {dt} | {blocks} | {warps} | {stages} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-    _write(args.out, triton.__version__, lines, time.time() - t0)
+    _write(out, triton.__version__, lines, time.time() - t0)
 
 
 NOTES = """\

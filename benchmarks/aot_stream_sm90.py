@@ -14,9 +14,7 @@ markdown table (from the repository root, with the Triton of the GPU machine, 3.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import os
 import re
 import sys
 import time
@@ -232,12 +230,10 @@ def _row_key(row: tuple) -> tuple:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        sys.exit("run with TRITON_INTERPRET=0: interpreted Triton cannot compile")
     sys.path.insert(0, str(ROOT))
+    from benchmarks.aot_sm90 import start
+
+    out = start(__doc__, OUT)
     import triton
 
     from aloe_kernels.ops.stream_kernels import jit_stream_kernels
@@ -267,7 +263,7 @@ def main() -> None:
             cells = ["error", "", f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", "", "", "", "", ""]
         lines.append(f"| {kname} | {dt} | {blocks} | {warps} | {stages} | {default} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
-    _write(args.out, triton.__version__, lines, time.time() - t0)
+    _write(out, triton.__version__, lines, time.time() - t0)
 
 
 def _write(path: Path, version: str, lines: list, seconds: float) -> None:

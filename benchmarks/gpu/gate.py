@@ -51,6 +51,27 @@ def _bandwidth(ctx: Context, timer) -> tuple[float, str]:
     return measure_bandwidth("cpu")
 
 
+def stream_checks(w, ref: torch.Tensor) -> dict:
+    """The streaming decode kernel on one workload: its error against float64, and with the int8
+    screen, whether its output has the bf16 pass's bits and how many edits the screen keeps."""
+    from aloe_kernels.int8_addresses import Int8Addresses
+    from aloe_kernels.ops.stream_gate import run_stream_gate
+    from benchmarks.bench_gate import int8_screen
+
+    op = w.op
+    args = (w.h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)
+    ys, yq = (torch.zeros(w.T, w.d_out, device=w.h.device, dtype=w.h.dtype) for _ in range(2))
+    run_stream_gate(ys, *args)
+    run_stream_gate(yq, *args, screen=int8_screen(op))
+    units = torch.nn.functional.normalize(w.h.float(), dim=1)
+    may = Int8Addresses.quantize(op.addresses).may_open(units, op.addresses, op.thresholds, op.temperatures, op.gate_eps)
+    return {
+        "stream_rel_err_vs_float64": rel_err(ys, ref),
+        "int8_output_bits_equal_stream": bool(torch.equal(yq, ys)),
+        "int8_keep_rate": float(may.any(dim=0).float().mean()),
+    }
+
+
 def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_us) -> dict:
     """Check the fused kernel against float64 on one workload, then time every provider on it."""
     from aloe_kernels import aloe_residual_
@@ -83,26 +104,7 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
             "ref_abs_max": float(ref.abs().max()),
         }
         if ctx.cuda and T <= 32:
-            from aloe_kernels.ops.stream_gate import run_stream_gate
-
-            ys = torch.zeros(T, w.d_out, device=ctx.device, dtype=dtype)
-            run_stream_gate(ys, w.h, w.op.addresses, w.op.thresholds, w.op.temperatures, w.op.writes, w.op.eps, w.op.gate_eps)
-            row["stream_rel_err_vs_float64"] = rel_err(ys, ref)
-            from benchmarks.bench_gate import int8_screen
-
-            yq = torch.zeros(T, w.d_out, device=ctx.device, dtype=dtype)
-            screen = int8_screen(w.op)
-            run_stream_gate(
-                yq, w.h, w.op.addresses, w.op.thresholds, w.op.temperatures, w.op.writes, w.op.eps, w.op.gate_eps, screen=screen
-            )
-            row["int8_output_bits_equal_stream"] = bool(torch.equal(yq, ys))
-            from aloe_kernels.int8_addresses import Int8Addresses
-
-            units = torch.nn.functional.normalize(w.h.float(), dim=1)
-            may = Int8Addresses.quantize(w.op.addresses).may_open(
-                units, w.op.addresses, w.op.thresholds, w.op.temperatures, w.op.gate_eps
-            )
-            row["int8_keep_rate"] = float(may.any(dim=0).float().mean())
+            row.update(stream_checks(w, ref))
         if ctx.cuda:
             from benchmarks.gate_profile import autotuned_configs
 

@@ -37,7 +37,7 @@ def poisoned_workspaces(monkeypatch):
     monkeypatch.setattr(buffers, "empty_workspace", poisoned)
 
 
-def run(y, h, op, programs=0, order=None, **blocks):
+def run(y, h, op, programs=0, order=None, screen=None, **blocks):
     stream.run_stream_gate(
         y.view(-1, op.d_out),
         h.reshape(-1, op.d),
@@ -49,8 +49,16 @@ def run(y, h, op, programs=0, order=None, **blocks):
         op.gate_eps,
         programs=programs,
         program_order=order,
+        screen=screen,
         blocks_given=tuple(blocks.get(k, 0) for k in ("block_t", "block_n", "block_d", "block_o")),
     )
+    return y
+
+
+def fused(y, h, op, **kw):
+    """The public entry point (which dispatches on ALOE_DECODE_KERNEL)."""
+    args = (op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)
+    gate.aloe_gate_residual_(y, h, *args, **kw)
     return y
 
 
@@ -166,39 +174,11 @@ def test_env_selects_the_stream_for_decode_only(monkeypatch):
     real = stream.run_stream_gate
     monkeypatch.setattr(gate, "run_stream_gate", lambda *a, **k: (launched.append(a[0].shape[0]), real(*a, **k)))
     monkeypatch.setenv("ALOE_DECODE_KERNEL", "stream")
-    y = torch.zeros(T, d_out)
-    gate.aloe_gate_residual_(
-        y,
-        h,
-        op.addresses,
-        op.thresholds,
-        op.temperatures,
-        op.writes,
-        op.eps,
-        op.gate_eps,
-        split=3,
-        block_n=16,
-        block_d=32,
-        block_o=16,
-    )
+    y = fused(torch.zeros(T, d_out), h, op, split=3, block_n=16, block_d=32, block_o=16)
     assert launched == [T] and torch.equal(y, direct)
     # 33 tokens: prefill, the split path, still right.
     h2, op2 = make_case(33, d, d_out, n, "mixed", seed=6)
-    y2 = torch.zeros(33, d_out)
-    gate.aloe_gate_residual_(
-        y2,
-        h2,
-        op2.addresses,
-        op2.thresholds,
-        op2.temperatures,
-        op2.writes,
-        op2.eps,
-        op2.gate_eps,
-        block_t=16,
-        block_n=16,
-        block_d=16,
-        block_o=16,
-    )
+    y2 = fused(torch.zeros(33, d_out), h2, op2, block_t=16, block_n=16, block_d=16, block_o=16)
     assert launched == [T]
     assert rel_err(y2, ref_delta(h2, op2)[0]) <= FP32_TOL
 
@@ -232,26 +212,9 @@ def test_two_launches_per_call(monkeypatch):
 
 
 # ------------------------------------------------------------- int8 screen
-def _screened(h, op, q, programs, order=None, **blocks):
-    from aloe_kernels.int8_addresses import Int8Addresses  # noqa: F401
-
-    y = torch.zeros(h.shape[0], op.d_out)
+def _screened(h, op, q, programs, order=None):
     limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
-    stream.run_stream_gate(
-        y,
-        h,
-        op.addresses,
-        op.thresholds,
-        op.temperatures,
-        op.writes,
-        op.eps,
-        op.gate_eps,
-        programs=programs,
-        program_order=order,
-        screen=(q.values, q.scales, limits),
-        blocks_given=tuple(blocks.get(k, 0) for k in ("block_t", "block_n", "block_d", "block_o")),
-    )
-    return y
+    return run(torch.zeros(h.shape[0], op.d_out), h, op, programs, order, screen=(q.values, q.scales, limits))
 
 
 @pytest.mark.parametrize(
