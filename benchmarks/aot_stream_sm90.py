@@ -138,7 +138,7 @@ def _s_row(dt: str, adt: str, mode: int, bt: int, bn: int, bd: int, warps: int, 
     """One configuration of kernel S: state dtype, address dtype (``i8`` for the screen), mode, tiles."""
     ptrs = {"h_ptr": f"*{dt}", "a_ptr": f"*{adt}", "thr_ptr": "*fp32", "temp_ptr": "*fp32", "part_ptr": "*fp32"}
     ptrs.update({"sq_ptr": "*fp64", "ticket_ptr": "*i32", "flag_ptr": "*i32", "gate_ptr": "*fp32", "perm_ptr": "*i32"})
-    ptrs.update({"qs_ptr": "*fp16", "lim_ptr": "*fp32", "keep_ptr": "*i32"})
+    ptrs.update({"qs_ptr": "*fp16", "lim_ptr": "*fp32", "keep_ptr": "*i32", "kblk_ptr": "*i32"})
     consts = {"MODE": mode, "PERMUTED": False, "CAST": False, "DOT_PREC": "ieee", "USE_PDL": True}
     consts.update({"BLOCK_T": bt, "BLOCK_N": bn, "BLOCK_D": bd})
     tile = bn * bd * (1 if adt == "i8" else BYTES[adt]) + bd * bt * BYTES[dt]  # one step's address + state bytes

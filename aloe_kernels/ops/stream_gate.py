@@ -112,11 +112,13 @@ def run_stream_gate(y2: torch.Tensor, h2: torch.Tensor, addresses: torch.Tensor,
     gates = buffers.empty_workspace((n_blocks, bn, bt), dev, torch.float32)
     flags = buffers.empty_workspace((n_blocks,), dev, torch.int32)
     keep = buffers.empty_workspace((n,), dev, torch.int32) if screen is not None else flags
+    kept_blocks = buffers.empty_workspace((n_blocks,), dev, torch.int32) if screen is not None else flags
     use_pdl = (not interpret) and torch.cuda.get_device_capability(dev)[0] >= 9
     k = jit_stream_kernels(interpret)
     extra = {} if interpret else {"num_warps": _GPU_WARPS, "num_stages": _GPU_STAGES}
     common = dict(h2=h2, thresholds=thresholds, temperatures=temperatures, gates=gates, flags=flags, keep=keep,
-                  eps=eps, gate_eps=gate_eps, bt=bt, bn=bn, programs=programs, use_pdl=use_pdl, extra=extra)
+                  kept_blocks=kept_blocks, eps=eps, gate_eps=gate_eps, bt=bt, bn=bn, programs=programs,
+                  use_pdl=use_pdl, extra=extra)
     with device_guard(y2):
         if screen is not None:
             values, scales, limits = screen
@@ -165,7 +167,7 @@ def _launch_scores(k: dict, mode: int, a: torch.Tensor, bd: int, c: dict, qs: to
     k["scores"][(progs,)](
         h2, a, c["thresholds"], c["temperatures"], part, sq, tickets, flags, c["gates"],
         order.to(torch.int32) if order is not None else flags,
-        qs if qs is not None else flags, lim if lim is not None else flags, c["keep"],
+        qs if qs is not None else flags, lim if lim is not None else flags, c["keep"], c["kept_blocks"],
         T, n, d, k_steps, total, progs,
         h2.stride(0), h2.stride(1), a.stride(0), a.stride(1),
         c["thresholds"].stride(0), c["temperatures"].stride(0), qs.stride(0) if qs is not None else 0,

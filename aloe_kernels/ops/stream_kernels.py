@@ -73,7 +73,7 @@ def _owner(step, total_steps, n_progs):
 
 def _stream_scores_kernel(
     h_ptr, a_ptr, thr_ptr, temp_ptr, part_ptr, sq_ptr, ticket_ptr, flag_ptr, gate_ptr, perm_ptr,
-    qs_ptr, lim_ptr, keep_ptr,
+    qs_ptr, lim_ptr, keep_ptr, kblk_ptr,
     T, n, d, k_steps, total_steps, n_progs,
     stride_ht, stride_hd, stride_an, stride_ad, stride_thr, stride_temp, stride_qs,
     eps, gate_eps, inv_one_minus_geps,
@@ -90,62 +90,100 @@ def _stream_scores_kernel(
     offs_bn = tl.arange(0, BLOCK_N)
     offs_bd = tl.arange(0, BLOCK_D)
     tile = offs_bn[:, None] * BLOCK_T + offs_t[None, :]  # (BLOCK_N, BLOCK_T) offsets in a segment
-    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float64)  # reduced over d only when a segment ends
-    b = s_lo // k_steps  # edit block and d step of s, carried (no division in the loop)
-    kk = s_lo - b * k_steps
-    for s in range(s_lo, s_hi):
-        offs_n = b * BLOCK_N + offs_bn
-        n_mask = offs_n < n
-        offs_d = kk * BLOCK_D + offs_bd
-        d_mask = offs_d < d
-        x_t = tl.load(h_ptr + offs_t[None, :] * stride_ht + offs_d[:, None] * stride_hd,
-                      mask=d_mask[:, None] & t_mask[None, :], other=0.0)          # (BLOCK_D, BLOCK_T)
-        row_mask = n_mask
-        if MODE == 2:  # rescoring: only the rows the screen kept are read
-            row_mask = n_mask & (tl.load(keep_ptr + offs_n, mask=n_mask, other=0) > 0)
-        v = tl.load(a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + offs_d[None, :] * stride_ad,
-                    mask=row_mask[:, None] & d_mask[None, :], other=0)            # (BLOCK_N, BLOCK_D)
-        x64 = x_t.to(tl.float64)
-        sq += x64 * x64
-        if MODE == 1:  # screen: int8 values (exact in the state's dtype), one scale per step (BLOCK_D = group)
-            sc = tl.load(qs_ptr + offs_n * stride_qs + kk, mask=n_mask, other=0.0).to(tl.float32)
-            if CAST:
-                part = tl.dot(v.to(tl.float32), x_t.to(tl.float32), input_precision=DOT_PREC)
+    b_first = s_lo // k_steps
+    b_last = (s_hi - 1) // k_steps
+    if MODE == 2:
+        # Rescoring: only edit blocks holding a kept edit, each program over its own steps of them (the
+        # plain call's segments), reading only the kept rows.
+        for blk in range(b_first, b_last + 1):
+            if tl.load(kblk_ptr + blk) > 0:
+                _rescore_segment(h_ptr, a_ptr, keep_ptr, part_ptr, sq_ptr, pid, blk, tl.maximum(s_lo, blk * k_steps),
+                                 tl.minimum(s_hi, (blk + 1) * k_steps), k_steps, n, d, tile, offs_t, t_mask, offs_bn,
+                                 offs_bd, stride_ht, stride_hd, stride_an, stride_ad, CAST, DOT_PREC,
+                                 BLOCK_T, BLOCK_N, BLOCK_D)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float64)  # reduced over d only when a segment ends
+        b = b_first  # edit block and d step of s, carried (no division in the loop)
+        kk = s_lo - b * k_steps
+        for s in range(s_lo, s_hi):
+            offs_n = b * BLOCK_N + offs_bn
+            n_mask = offs_n < n
+            offs_d = kk * BLOCK_D + offs_bd
+            d_mask = offs_d < d
+            x_t = tl.load(h_ptr + offs_t[None, :] * stride_ht + offs_d[:, None] * stride_hd,
+                          mask=d_mask[:, None] & t_mask[None, :], other=0.0)          # (BLOCK_D, BLOCK_T)
+            v = tl.load(a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + offs_d[None, :] * stride_ad,
+                        mask=n_mask[:, None] & d_mask[None, :], other=0)              # (BLOCK_N, BLOCK_D)
+            x64 = x_t.to(tl.float64)
+            sq += x64 * x64
+            if MODE == 1:  # screen: int8 values (exact in the state's dtype), one scale per step (BLOCK_D = group)
+                sc = tl.load(qs_ptr + offs_n * stride_qs + kk, mask=n_mask, other=0.0).to(tl.float32)
+                if CAST:
+                    part = tl.dot(v.to(tl.float32), x_t.to(tl.float32), input_precision=DOT_PREC)
+                else:
+                    part = tl.dot(v.to(x_t.dtype), x_t)
+                acc += sc[:, None] * part
             else:
-                part = tl.dot(v.to(x_t.dtype), x_t)
-            acc += sc[:, None] * part
-        else:
-            if CAST:
-                x_t = x_t.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = tl.dot(v, x_t, acc, input_precision=DOT_PREC)
-        if (kk == k_steps - 1) | (s == s_hi - 1):  # the segment ends: store its partials
-            tl.store(part_ptr + (pid + b) * (BLOCK_N * BLOCK_T) + tile, acc)
-            tl.store(sq_ptr + (pid + b) * BLOCK_T + offs_t, tl.sum(sq, axis=0))
-            acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-            sq = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float64)
-        kk += 1
-        wrap = kk == k_steps
-        b = tl.where(wrap, b + 1, b)
-        kk = tl.where(wrap, 0, kk)
+                if CAST:
+                    x_t = x_t.to(tl.float32)
+                    v = v.to(tl.float32)
+                acc = tl.dot(v, x_t, acc, input_precision=DOT_PREC)
+            if (kk == k_steps - 1) | (s == s_hi - 1):  # the segment ends: store its partials
+                tl.store(part_ptr + (pid + b) * (BLOCK_N * BLOCK_T) + tile, acc)
+                tl.store(sq_ptr + (pid + b) * BLOCK_T + offs_t, tl.sum(sq, axis=0))
+                acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+                sq = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float64)
+            kk += 1
+            wrap = kk == k_steps
+            b = tl.where(wrap, b + 1, b)
+            kk = tl.where(wrap, 0, kk)
     # Tickets are taken after the streaming loop, so that it stays an innermost loop (software
     # pipelined); a barrier first, so that every warp's partial stores precede them.
     tl.debug_barrier()
-    for blk in range(s_lo // k_steps, (s_hi - 1) // k_steps + 1):
-        _finish_block_if_last(blk, k_steps, total_steps, n_progs, tile, offs_bn, t_mask, part_ptr, sq_ptr, ticket_ptr,
-                              flag_ptr, gate_ptr, thr_ptr, temp_ptr, lim_ptr, keep_ptr, n, stride_thr, stride_temp,
-                              eps, gate_eps, inv_one_minus_geps, MODE, BLOCK_T, BLOCK_N)
+    for blk in range(b_first, b_last + 1):
+        if (MODE != 2) or (tl.load(kblk_ptr + blk) > 0):
+            _finish_block_if_last(blk, k_steps, total_steps, n_progs, tile, offs_bn, t_mask, part_ptr, sq_ptr,
+                                  ticket_ptr, flag_ptr, gate_ptr, thr_ptr, temp_ptr, lim_ptr, keep_ptr, kblk_ptr, n,
+                                  stride_thr, stride_temp, eps, gate_eps, inv_one_minus_geps, MODE, BLOCK_T, BLOCK_N)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def _rescore_segment(h_ptr, a_ptr, keep_ptr, part_ptr, sq_ptr, pid, blk, lo, hi, k_steps, n, d, tile, offs_t, t_mask,
+                     offs_bn, offs_bd, stride_ht, stride_hd, stride_an, stride_ad, CAST: tl.constexpr,
+                     DOT_PREC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Steps ``[lo, hi)`` of edit block ``blk`` as the plain pass runs them (same tiles, same order, so
+    the same bits per row), reading only the rows the screen kept; stores segment ``pid + blk``."""
+    offs_n = blk * BLOCK_N + offs_bn
+    n_mask = offs_n < n
+    row_mask = n_mask & (tl.load(keep_ptr + offs_n, mask=n_mask, other=0) > 0)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_D, BLOCK_T), dtype=tl.float64)
+    for s in range(lo, hi):
+        offs_d = (s - blk * k_steps) * BLOCK_D + offs_bd
+        d_mask = offs_d < d
+        x_t = tl.load(h_ptr + offs_t[None, :] * stride_ht + offs_d[:, None] * stride_hd,
+                      mask=d_mask[:, None] & t_mask[None, :], other=0.0)
+        v = tl.load(a_ptr + offs_n.to(tl.int64)[:, None] * stride_an + offs_d[None, :] * stride_ad,
+                    mask=row_mask[:, None] & d_mask[None, :], other=0)
+        x64 = x_t.to(tl.float64)
+        sq += x64 * x64
+        if CAST:
+            x_t = x_t.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(v, x_t, acc, input_precision=DOT_PREC)
+    tl.store(part_ptr + (pid + blk) * (BLOCK_N * BLOCK_T) + tile, acc)
+    tl.store(sq_ptr + (pid + blk) * BLOCK_T + offs_t, tl.sum(sq, axis=0))
+
+
 def _finish_block_if_last(b, k_steps, total_steps, n_progs, tile, offs_bn, t_mask, part_ptr, sq_ptr, ticket_ptr,
-                          flag_ptr, gate_ptr, thr_ptr, temp_ptr, lim_ptr, keep_ptr, n, stride_thr, stride_temp,
+                          flag_ptr, gate_ptr, thr_ptr, temp_ptr, lim_ptr, keep_ptr, kblk_ptr, n, stride_thr, stride_temp,
                           eps, gate_eps, inv_one_minus_geps, MODE: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_N: tl.constexpr):
     """Take a ticket of edit block ``b``; the program that takes the last one finishes the block:
-    its gates and open flag (MODE 0 and 2) or, for the screen (MODE 1), its rows' keep flags."""
+    its gates and open flag (MODE 0 and 2) or, for the screen (MODE 1), its rows' keep flags, whether
+    it holds a kept edit, and (when it does not) its open flag, 0."""
     first = _owner(b * k_steps, total_steps, n_progs) + b
     last = _owner(b * k_steps + k_steps - 1, total_steps, n_progs) + b
     ticket = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel", scope="gpu")
@@ -162,7 +200,12 @@ def _finish_block_if_last(b, k_steps, total_steps, n_progs, tile, offs_bn, t_mas
         if MODE == 1:
             limit = tl.load(lim_ptr + offs_n, mask=n_mask, other=float("inf"))
             may = (raw * inv_norm[None, :] >= limit[:, None]) & valid
-            tl.store(keep_ptr + offs_n, tl.max(may.to(tl.int32), axis=1), mask=n_mask)
+            kept = tl.max(may.to(tl.int32), axis=1)
+            tl.store(keep_ptr + offs_n, kept, mask=n_mask)
+            any_kept = tl.max(kept, axis=0)
+            tl.store(kblk_ptr + b, any_kept)
+            if any_kept == 0:  # closed for every token; a block with a kept edit gets its flag when rescored
+                tl.store(flag_ptr + b, any_kept)
         else:
             tau = tl.load(thr_ptr + offs_n * stride_thr, mask=n_mask, other=0.0).to(tl.float32)
             alpha = tl.load(temp_ptr + offs_n * stride_temp, mask=n_mask, other=0.0).to(tl.float32)
@@ -219,7 +262,7 @@ def _stream_write_kernel(
         tl.store(y_ptrs, (prev + acc).to(y_ptr.dtype.element_ty), mask=m)
 
 
-_DEVICE_FUNCTIONS = (_owner, _finish_block_if_last)
+_DEVICE_FUNCTIONS = (_owner, _rescore_segment, _finish_block_if_last)
 _KERNELS = {"scores": _stream_scores_kernel, "write": _stream_write_kernel}
 
 

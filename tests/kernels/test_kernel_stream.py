@@ -255,11 +255,16 @@ def test_int8_screen_kept_rows_only_are_read(monkeypatch):
     from aloe_kernels.int8_addresses import Int8Addresses
 
     T, n, d = 4, 60, 300
-    h, op = make_case(T, d, 24, n, "mixed", seed=77)
+    h, op = make_case(T, d, 24, n, "closed", seed=77)
+    for e in (3, 40):  # two edits open on their best token; the others stay shut
+        best = float((torch.nn.functional.normalize(h.double(), dim=1) @ op.addresses[e].double()).max())
+        op.thresholds[e] = best - 0.01
     q = Int8Addresses.quantize(op.addresses)
     units = torch.nn.functional.normalize(h.double(), dim=1).float()
     kept = q.may_open(units, op.addresses, op.thresholds, op.temperatures, op.gate_eps).any(dim=0)
     assert 0 < int(kept.sum()) < n
+    blocks = torch.nn.functional.pad(kept, (0, -n % 16)).view(-1, 16).any(dim=1)  # the interpreter's 16-edit blocks
+    assert blocks.any() and not blocks.all(), "some edit block should hold no kept edit (it is never rescored)"
     want = _screened(h, op, q, programs=5)
     op.addresses[~kept] = float("nan")
     assert torch.equal(_screened(h, op, q, programs=5), want)
