@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from .errors import PatchError
+from .int8_addresses import Int8Addresses
 from .operator import AloeOperator, weight_fingerprint
 from .reference import aloe_reference
 from .residual import aloe_residual_
-from .runtime import use_fused_kernel
+from .runtime import STREAM_MAX_TOKENS, kernel_dtypes, use_fused_kernel
 from .screened import SCREEN_MIN_EDITS
 from .screened_int8 import Int8Screen, int8_screen_supported, int8_screened_residual_
 
@@ -122,11 +123,19 @@ class AloeDownProj(nn.Module):
     :data:`~aloe_kernels.screened.SCREEN_MIN_EDITS` edits.
     """
 
-    def __init__(self, base: nn.Module, op: AloeOperator, deterministic: bool = False, screen: bool | None = None):
+    def __init__(
+        self,
+        base: nn.Module,
+        op: AloeOperator,
+        deterministic: bool = False,
+        screen: bool | None = None,
+        int8_addresses: bool = False,
+    ):
         super().__init__()
         self.base = base
         self.deterministic = deterministic
         self.screen = screen
+        self.int8_addresses = int8_addresses
         self._op_header = {f.name: getattr(op, f.name) for f in dataclasses.fields(op) if f.name not in _TENSORS}
         for k in _TENSORS:
             self.register_buffer(k, getattr(op, k), persistent=False)
@@ -147,6 +156,15 @@ class AloeDownProj(nn.Module):
         self._int8_screen = (
             Int8Screen.prepare(op.addresses, op.thresholds, op.temperatures, op.gate_eps) if self._screens(op) else None
         )
+        self._stream_screen = self._int8_stream_screen(op)
+
+    def _int8_stream_screen(self, op: AloeOperator) -> tuple | None:
+        """(values, scales, limits) of the int8 addresses for the fused decode path, when asked and usable."""
+        if not self.int8_addresses or not use_fused_kernel(op.addresses) or not kernel_dtypes(op.addresses, op.writes):
+            return None
+        q = Int8Addresses.quantize(op.addresses)
+        limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
+        return q.values, q.scales, limits.to(op.addresses.device)
 
     def _screens(self, op: AloeOperator) -> bool:
         if self.screen is False or op.addresses.device.type != "cpu" or op.addresses.dtype != torch.float32:
@@ -168,6 +186,12 @@ class AloeDownProj(nn.Module):
         op = self._runtime_op
         if torch.is_grad_enabled() and (h.requires_grad or any(getattr(self, k).requires_grad for k in _TENSORS)):
             return y + aloe_reference(h, op).to(y.dtype)
+        if self._stream_screen is not None and h.numel() <= STREAM_MAX_TOKENS * op.d and y.is_contiguous():
+            from .ops.stream_gate import aloe_stream_screened_residual_
+
+            return aloe_stream_screened_residual_(
+                y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps, self._stream_screen
+            )
         if self._int8_screen is not None and not use_fused_kernel(h):
             return int8_screened_residual_(
                 y, h, self._int8_screen, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps
@@ -188,6 +212,7 @@ def apply_aloe(
     deterministic: bool = False,
     dtype: torch.dtype | None = None,
     screen: bool | None = None,
+    int8_addresses: bool = False,
 ) -> AloeDownProj:
     """Patch ``model`` in place so that one down-projection adds ``U g(h)``.
 
@@ -198,7 +223,10 @@ def apply_aloe(
     reproduce a GPU's numbers) overrides that. ``screen`` picks the CPU path of a float32
     operator: the exact int8 screen when True, the plain fp32 product when False, and when None
     (default) the screen from :data:`~aloe_kernels.screened.SCREEN_MIN_EDITS` edits up (same
-    gates either way; the screen is several times faster at decode). Refuses, with a
+    gates either way; the screen is several times faster at decode). ``int8_addresses``: where the
+    fused kernel runs (CUDA), calls of at most 32 tokens stream an int8 copy of the addresses first
+    and read only the rows it keeps (:mod:`aloe_kernels.int8_addresses`; the same output bits as the
+    streaming decode kernel without it); quantised here, from the operator as given. Refuses, with a
     :class:`PatchError`, a layer out of range, a d/d_out mismatch, a
     fingerprint mismatch (when the operator records one and
     ``check_fingerprint``), and a model that is already patched.
@@ -227,7 +255,9 @@ def apply_aloe(
     w = site.weight()
     if dtype is None:
         dtype = op.dtype if op.dtype == torch.float64 else (torch.float32 if w.device.type == "cpu" else w.dtype)
-    wrapper = AloeDownProj(site.module, op.to(w.device, dtype), deterministic=deterministic, screen=screen)
+    wrapper = AloeDownProj(
+        site.module, op.to(w.device, dtype), deterministic=deterministic, screen=screen, int8_addresses=int8_addresses
+    )
     setattr(site.parent, site.attr, wrapper)
     return wrapper
 

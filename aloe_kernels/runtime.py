@@ -11,10 +11,19 @@ import os
 
 import torch
 
-__all__ = ["KERNEL_DTYPES", "kernel_available", "kernel_dtypes", "triton_interpreting", "use_fused_kernel"]
+__all__ = [
+    "KERNEL_DTYPES",
+    "STREAM_MAX_TOKENS",
+    "kernel_available",
+    "kernel_dtypes",
+    "triton_interpreting",
+    "use_fused_kernel",
+]
 
 #: Tensor dtypes the fused kernels take (h, addresses, writes, y); float64 stays in PyTorch.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Most tokens a call of the streaming decode kernel takes (its token side is one tile of 16 or 32).
+STREAM_MAX_TOKENS = 32
 
 
 def triton_interpreting() -> bool:

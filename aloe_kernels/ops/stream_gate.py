@@ -21,19 +21,24 @@ import torch
 import triton
 
 from ..int8_format import GROUP
-from ..runtime import triton_interpreting
+from ..runtime import STREAM_MAX_TOKENS, triton_interpreting
 from . import buffers
 from .buffers import device_guard
 from .launch_plan import sm_count
 from .stream_kernels import jit_stream_kernels
 
-__all__ = ["DECODE_KERNEL_ENV", "STREAM_MAX_TOKENS", "decode_kernel", "run_stream_gate", "stream_blocks"]
+__all__ = [
+    "DECODE_KERNEL_ENV",
+    "STREAM_MAX_TOKENS",
+    "aloe_stream_screened_residual_",
+    "decode_kernel",
+    "run_stream_gate",
+    "stream_blocks",
+]
 
 #: Environment variable choosing the decode kernel: ``split`` (default) or ``stream``.
 DECODE_KERNEL_ENV = "ALOE_DECODE_KERNEL"
 DECODE_KERNELS = ("split", "stream")
-#: Most tokens a streaming launch takes (its token side is one tile of 16 or 32 columns).
-STREAM_MAX_TOKENS = 32
 #: Open flags W reads at once before it looks at single edit blocks.
 _FLAG_BLOCK = 32
 # Fixed blocks on a GPU (BLOCK_N, BLOCK_D, BLOCK_O), warps and pipeline stages: 64 x 128 bf16
@@ -176,3 +181,37 @@ def _launch_scores(k: dict, mode: int, a: torch.Tensor, bd: int, c: dict, qs: to
         DOT_PREC="ieee", USE_PDL=c["use_pdl"], BLOCK_T=bt, BLOCK_N=bn, BLOCK_D=bd,
         **({**c["extra"], "num_stages": _GPU_SCREEN_STAGES} if mode == 1 and c["extra"] else c["extra"]),
     )
+
+
+# --------------------------------------------------------------------------
+# torch custom op of the screened decode path (int8 addresses first).
+# --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("aloe::stream_gate_screened_", mutates_args=("y",))
+def _stream_screened_op(y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
+                        temperatures: torch.Tensor, writes: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
+                        limits: torch.Tensor, eps: float, gate_eps: float) -> None:
+    d, d_out = addresses.shape[1], writes.shape[1]
+    run_stream_gate(y.view(-1, d_out), h.reshape(-1, d), addresses, thresholds, temperatures, writes, eps, gate_eps,
+                    screen=(values, scales, limits))
+
+
+@_stream_screened_op.register_fake
+def _stream_screened_fake(y, h, addresses, thresholds, temperatures, writes, values, scales, limits, eps, gate_eps) -> None:
+    return None
+
+
+def aloe_stream_screened_residual_(y: torch.Tensor, h: torch.Tensor, addresses: torch.Tensor, thresholds: torch.Tensor,
+                                   temperatures: torch.Tensor, writes: torch.Tensor, eps: float, gate_eps: float,
+                                   screen: tuple) -> torch.Tensor:
+    """``y += U g(h)`` in place for at most :data:`STREAM_MAX_TOKENS` tokens, through the int8 screen
+    ``screen = (values, scales, limits)`` then the full-precision rows it keeps (the bits of a plain
+    streaming call); ``torch.ops.aloe.stream_gate_screened_``. ``y`` must be viewable as (T, d_out)."""
+    d = addresses.shape[1]
+    T = h.numel() // d
+    if T > STREAM_MAX_TOKENS:
+        raise ValueError(f"the screened decode path takes at most {STREAM_MAX_TOKENS} tokens, got {T}")
+    torch.ops.aloe.stream_gate_screened_(y, h, addresses, thresholds, temperatures, writes, *screen, float(eps),
+                                         float(gate_eps))
+    return y

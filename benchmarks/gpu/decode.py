@@ -10,7 +10,8 @@ the transformers releases of the torch-2.11 era. The base graph and the patched
 graph are replayed in alternating rounds, so clock drift hits both alike. If
 capture fails, eager timings are reported and the targets read n/a.
 Targets: overhead <= 1% at 1,301 edits and <= 3% at 10,000, batch 1 and 32; with the streaming
-decode kernel (``ALOE_DECODE_KERNEL=stream`` when the step is captured), <= 1% at both.
+decode kernel (``ALOE_DECODE_KERNEL=stream`` when the step is captured), <= 1% at both; the streaming
+kernel with int8 addresses (``apply_aloe(..., int8_addresses=True)``) is timed in the same rounds.
 """
 
 from __future__ import annotations
@@ -187,14 +188,17 @@ def measure_batch(ctx: Context, res: PartResult, model, batch: int, ns: tuple, l
         op = planted_operator(model, step, layer, n, ctx.device)
         apply_aloe(model, op)
         try:
-            stream = None
+            stream = int8 = None
             if timer is not None:
                 graphs["aloe"] = timer.capture(step)
                 with _decode_kernel("stream"):  # the kernel choice is made when the step is captured
                     graphs["aloe_stream"] = timer.capture(step)
+                    remove_aloe(model)
+                    apply_aloe(model, op, int8_addresses=True)
+                    graphs["aloe_stream_int8"] = timer.capture(step)
                 t = _alternate(timer, graphs)
-                base, patched, stream = t["base"], t["aloe"], t["aloe_stream"]
-                del graphs["aloe"], graphs["aloe_stream"]
+                base, patched, stream, int8 = t["base"], t["aloe"], t["aloe_stream"], t["aloe_stream_int8"]
+                del graphs["aloe"], graphs["aloe_stream"], graphs["aloe_stream_int8"]
             else:
                 base, patched = base_us, time_eager_us(step)
         finally:
@@ -205,10 +209,12 @@ def measure_batch(ctx: Context, res: PartResult, model, batch: int, ns: tuple, l
         row["layer"] = layer
         if stream is not None:
             row.update(stream_us=stream, stream_overhead_pct=100.0 * (stream - base) / base)
+            row.update(stream_int8_us=int8, stream_int8_overhead_pct=100.0 * (int8 - base) / base)
         rows.append(row)
         res.log(
             f"batch {batch} n={n} ({mode}): base {base / 1e3:.3f} ms, with ALOE {patched / 1e3:.3f} ms, overhead {overhead:+.2f}%"
             + (f"; streaming decode kernel {stream / 1e3:.3f} ms, {row['stream_overhead_pct']:+.2f}%" if stream else "")
+            + (f"; with int8 addresses {int8 / 1e3:.3f} ms, {row['stream_int8_overhead_pct']:+.2f}%" if int8 else "")
         )
     return rows
 

@@ -291,3 +291,47 @@ def test_int8_screen_adversarial_state_is_kept():
     got = _screened(h, op, q, programs=3)
     assert torch.equal(got, run(torch.zeros(T + 1, 24), h, op, 3))
     assert rel_err(got, ref) <= FP32_TOL
+
+
+# ------------------------------------------------------------- the HF module with int8 addresses
+def test_hf_module_with_int8_addresses_gives_the_stream_bits(monkeypatch):
+    """``apply_aloe(int8_addresses=True)``: decode-sized calls take the screened path, with the bits of
+    the plain streaming kernel; longer calls take the usual path."""
+    from helpers import operator_opening_on
+    from tiny_models import tiny_model
+
+    from aloe_kernels import apply_aloe, remove_aloe, weight_fingerprint
+    from aloe_kernels.hf import locate_down_proj
+
+    model = tiny_model("llama")
+    site = locate_down_proj(model, 1)
+    seen = {}
+    hook = site.module.register_forward_hook(lambda m, a, o: seen.update(h=a[0].detach().clone()))
+    ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    rows = seen["h"].reshape(-1, site.d)[:3]
+    base = operator_opening_on(rows, n_extra=40, d_out=site.d_out)
+    op = type(base)(
+        **{k: getattr(base, k) for k in ("addresses", "thresholds", "temperatures", "writes")},
+        layer=1,
+        weight_fingerprint=weight_fingerprint(site.weight()),
+    )
+    monkeypatch.setenv("ALOE_DECODE_KERNEL", "stream")
+    screened = []
+    real = stream.aloe_stream_screened_residual_
+    monkeypatch.setattr(stream, "aloe_stream_screened_residual_", lambda y, h, *a: (screened.append(h.shape), real(y, h, *a))[1])
+    logits = {}
+    for int8 in (False, True):
+        wrapper = apply_aloe(model, op, int8_addresses=int8)
+        assert (wrapper._stream_screen is not None) == int8
+        with torch.no_grad():
+            logits[int8] = (model(input_ids=ids).logits, model(input_ids=torch.cat([ids, ids], dim=1)).logits)
+        remove_aloe(model)
+    assert screened == [torch.Size([2, 12, site.d])], "only the 24-token call takes the screened path"
+    assert torch.equal(logits[True][0], logits[False][0])  # 24 tokens: the screened decode path
+    assert torch.equal(logits[True][1], logits[False][1])  # 48 tokens: the usual path for both
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    assert not torch.allclose(plain, logits[True][0]), "the operator should change the outputs"
