@@ -335,3 +335,15 @@ def test_hf_module_with_int8_addresses_gives_the_stream_bits(monkeypatch):
     with torch.no_grad():
         plain = model(input_ids=ids).logits
     assert not torch.allclose(plain, logits[True][0]), "the operator should change the outputs"
+
+
+def test_screened_custom_op_opcheck():
+    from aloe_kernels.int8_addresses import Int8Addresses
+
+    h, op = make_case(5, 300, 24, 40, "mixed", seed=31)
+    q = Int8Addresses.quantize(op.addresses)
+    limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
+    args = (torch.zeros(5, 24), h, op.addresses, op.thresholds, op.temperatures, op.writes, q.values, q.scales, limits)
+    torch.library.opcheck(
+        torch.ops.aloe.stream_gate_screened_.default, (*args, op.eps, op.gate_eps), test_utils=("test_schema", "test_faketensor")
+    )
