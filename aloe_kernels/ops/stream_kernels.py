@@ -48,7 +48,16 @@ others keep their exact bits). It can be launched as a programmatic
 dependent launch (``USE_PDL``): it then waits on S's completion in-kernel
 (``gdc_wait``) instead of at the launch boundary.
 
-Two launches per call, no atomics on floating-point data, no host
+int8 addresses (``MODE``)
+------------------------
+With a screen (:mod:`aloe_kernels.int8_addresses`), S runs twice. Mode 1 streams the int8 values
+(one float16 scale per step of 128 columns) and its finishing program writes, per edit, whether some
+token's screen score reaches the edit's limit, per block whether it holds such an edit, and the open
+flag 0 of blocks that do not. Mode 2 visits only the blocks that do, each program over its own steps
+of them (the plain call's segments: same tiles, same order), reading only the kept rows, so every row's
+sum has the bits of a plain call (mode 0); rows the screen dropped get gate 0. Then W, as ever.
+
+Two launches per call (three with a screen), no atomics on floating-point data, no host
 synchronisation, identical bits whatever order the programs run in (for a
 given program count). ``PERMUTED`` maps program ids through a table so
 that tests under the interpreter (where programs run in order) can make any
