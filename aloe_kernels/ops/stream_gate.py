@@ -128,6 +128,8 @@ def run_stream_gate(y2: torch.Tensor, h2: torch.Tensor, addresses: torch.Tensor,
         if screen is not None:
             values, scales, limits = screen
             _check_screen(values, scales, limits, n, d)
+            if any(t.device != dev for t in screen):
+                raise ValueError(f"the screen's tensors must be on {dev}, with the operator")
             _launch_scores(k, 1, values, GROUP, common, qs=scales, lim=limits)
         _launch_scores(k, 2 if screen is not None else 0, addresses, b["block_d"], common, order=program_order)
         k["write"][(triton.cdiv(d_out, bo),)](
