@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .errors import PatchError
-from .int8_addresses import Int8Addresses
+from .int8_addresses import kernel_screen
 from .operator import AloeOperator, weight_fingerprint
 from .reference import aloe_reference
 from .residual import aloe_residual_
@@ -162,9 +162,7 @@ class AloeDownProj(nn.Module):
         """(values, scales, limits) of the int8 addresses for the fused decode path, when asked and usable."""
         if not self.int8_addresses or not use_fused_kernel(op.addresses) or not kernel_dtypes(op.addresses, op.writes):
             return None
-        q = Int8Addresses.quantize(op.addresses)
-        limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
-        return q.values, q.scales, limits.to(op.addresses.device)
+        return kernel_screen(op)
 
     def _screens(self, op: AloeOperator) -> bool:
         if self.screen is False or op.addresses.device.type != "cpu" or op.addresses.dtype != torch.float32:

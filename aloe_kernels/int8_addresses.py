@@ -40,7 +40,7 @@ from .operator import AloeOperator
 from .reference import normalize_rows, open_score_floor
 from .screened import rescore_kept_
 
-__all__ = ["FLOOR_MARGIN", "GROUP", "Int8Addresses", "int8_address_residual_"]
+__all__ = ["FLOOR_MARGIN", "GROUP", "Int8Addresses", "int8_address_residual_", "kernel_screen"]
 
 #: Margin below each open floor, per unit of ``max(1, |floor|, |threshold|)``: the gate's own
 #: float32 evaluation (``alpha (s - tau)``, a sigmoid and a subtraction) can open a few ulps below
@@ -145,6 +145,14 @@ class Int8Addresses:
             "error_norms": self.error_norms,
             "dequant_norms": self.dequant_norms,
         }
+
+
+def kernel_screen(op: AloeOperator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values, scales, limits)`` of ``op``'s int8 addresses, on its device: the ``screen`` argument of
+    :func:`aloe_kernels.ops.stream_gate.run_stream_gate`."""
+    q = Int8Addresses.quantize(op.addresses)
+    limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
+    return q.values, q.scales, limits.to(op.addresses.device)
 
 
 def int8_address_residual_(y: torch.Tensor, h: torch.Tensor, q: Int8Addresses, op: AloeOperator) -> torch.Tensor:

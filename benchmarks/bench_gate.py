@@ -202,15 +202,6 @@ def _reference_math(y, h, A, thr, temp, W, eps: float, geps: float):
 _COMPILED: dict = {}
 
 
-def int8_screen(op) -> tuple:
-    """(values, scales, limits) of ``op``'s int8 addresses, for ``run_stream_gate(screen=...)``."""
-    from aloe_kernels.int8_addresses import Int8Addresses
-
-    q = Int8Addresses.quantize(op.addresses)
-    limits = q.screen_limits(op.addresses, op.thresholds, op.temperatures, op.gate_eps)
-    return q.values, q.scales, limits.to(op.addresses.device)
-
-
 def build_providers(w: Workload, device: str, names: list[str], skipped: dict) -> dict[str, Callable]:
     from aloe_kernels import aloe_reference
     from aloe_kernels.residual import sparse_residual_
@@ -248,9 +239,10 @@ def build_providers(w: Workload, device: str, names: list[str], skipped: dict) -
             if device != "cuda" or w.T > 32:
                 skipped[name] = "the streaming decode kernel with int8 addresses: CUDA, at most 32 tokens"
                 continue
+            from aloe_kernels.int8_addresses import kernel_screen
             from aloe_kernels.ops.stream_gate import run_stream_gate
 
-            screen = int8_screen(op)
+            screen = kernel_screen(op)
             out[name] = lambda screen=screen: run_stream_gate(
                 y, h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps, screen=screen
             )

@@ -54,15 +54,14 @@ def _bandwidth(ctx: Context, timer) -> tuple[float, str]:
 def stream_checks(w, ref: torch.Tensor) -> dict:
     """The streaming decode kernel on one workload: its error against float64, and with the int8
     screen, whether its output has the bf16 pass's bits and how many edits the screen keeps."""
-    from aloe_kernels.int8_addresses import Int8Addresses
+    from aloe_kernels.int8_addresses import Int8Addresses, kernel_screen
     from aloe_kernels.ops.stream_gate import run_stream_gate
-    from benchmarks.bench_gate import int8_screen
 
     op = w.op
     args = (w.h, op.addresses, op.thresholds, op.temperatures, op.writes, op.eps, op.gate_eps)
     ys, yq = (torch.zeros(w.T, w.d_out, device=w.h.device, dtype=w.h.dtype) for _ in range(2))
     run_stream_gate(ys, *args)
-    run_stream_gate(yq, *args, screen=int8_screen(op))
+    run_stream_gate(yq, *args, screen=kernel_screen(op))
     units = torch.nn.functional.normalize(w.h.float(), dim=1)
     may = Int8Addresses.quantize(op.addresses).may_open(units, op.addresses, op.thresholds, op.temperatures, op.gate_eps)
     return {
