@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch import nn
 
-from aloe_kernels.hf import locate_down_proj
+from aloe_kernels.hf import locate_down_proj, written_from
 from aloe_kernels.reference import normalize_rows
 from aloe_kernels.screened import fast_bf16_cpu
 
@@ -165,7 +165,9 @@ def teacher_forced(
                 ids, mask, pos = left_pad(full, pad_id, device)
                 T = ids.shape[1]
                 state.clear()
-                res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=kmax + 1)
+                # an operator writes from each row's last prompt token on, as it would when generating
+                with written_from(model, torch.tensor([T - 1 - k for k in ks], device=device)):
+                    res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=kmax + 1)
                 logp = torch.log_softmax(res.logits[:, -(kmax + 1) :].float(), dim=-1)  # (B, kmax+1, V)
                 final = state.get("final")
                 if final is not None:

@@ -24,6 +24,7 @@ from aloe_eval.protocol import edited_layer, fit_baseline
 from aloe_kernels import AloeOperator, weight_fingerprint
 from aloe_kernels.errors import AloeError
 from aloe_kernels.hf import locate_down_proj
+from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, WRITE_POSITIONS
 
 from .options import DTYPE_CHOICES, add_device_args, load_model_for
 
@@ -56,6 +57,8 @@ def _command(args: argparse.Namespace) -> str:
         parts.append("--no-plots")
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
+    if args.write_positions != DEFAULT_WRITE_POSITIONS:
+        parts += ["--write-positions", args.write_positions]
     if args.chat != "off":
         parts += ["--chat", args.chat]
         for text in args.chat_system or []:
@@ -112,7 +115,11 @@ def _editor(op: AloeOperator, args: argparse.Namespace) -> AloeEditor:
     # "served" leaves the precision to the editor, which follows the model as the HF patch and vLLM do
     op_dtype = None if args.operator_dtype == "served" else resolve_dtype(args.operator_dtype, torch.device("cpu"))
     return AloeEditor(
-        op, check_fingerprint=not args.no_check_fingerprint, layer=args.layer if op.layer is None else None, dtype=op_dtype
+        op,
+        check_fingerprint=not args.no_check_fingerprint,
+        layer=args.layer if op.layer is None else None,
+        dtype=op_dtype,
+        write_positions=args.write_positions,
     )
 
 
@@ -334,6 +341,13 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
         help="also (or only) ask each request through the model's chat template, with its default and "
         "with a custom system prompt (chat.json, chat.md); the unedited model's answers are kept "
         "under $ALOE_CACHE/chat-answers (default ~/.cache/aloe) for the next evaluation",
+    )
+    p.add_argument(
+        "--write-positions",
+        default=DEFAULT_WRITE_POSITIONS,
+        choices=WRITE_POSITIONS,
+        help="where the operator adds its residual: 'generated' (default) only where the next token is "
+        "generated, 'all' at every position as well (see aloe_kernels.write_positions)",
     )
     p.add_argument(
         "--chat-system",

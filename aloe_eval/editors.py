@@ -10,6 +10,7 @@ from torch import nn
 
 from aloe_build.chat_slots import is_chat_entry
 from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
+from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, check_write_positions
 
 
 class Editor:
@@ -74,15 +75,23 @@ class AloeEditor(Editor):
     """An ALOE operator patched into the model with :func:`aloe_kernels.apply_aloe`."""
 
     def __init__(
-        self, op, name: str = "ALOE", check_fingerprint: bool = True, layer: int | None = None, dtype: torch.dtype | None = None
+        self,
+        op,
+        name: str = "ALOE",
+        check_fingerprint: bool = True,
+        layer: int | None = None,
+        dtype: torch.dtype | None = None,
+        write_positions: str = DEFAULT_WRITE_POSITIONS,
     ):
-        """``dtype``: precision of the patched operator (``None``: as served, see :func:`apply_aloe`)."""
+        """``dtype``: precision of the patched operator (``None``: as served, see :func:`apply_aloe`);
+        ``write_positions`` as in :func:`apply_aloe`."""
         if not isinstance(op, AloeOperator):
             raise TypeError(f"AloeEditor needs an AloeOperator, got {type(op).__name__}")
         self.op = op
         self.name = name
         self.check_fingerprint = check_fingerprint
         self.dtype = dtype
+        self.write_positions = check_write_positions(write_positions)
         self.layer = op.layer if layer is None else layer
         if self.layer is None:
             raise ValueError("the operator records no layer; pass layer=")
@@ -101,7 +110,14 @@ class AloeEditor(Editor):
         self._gate_op = op.to("cpu", torch.float64 if op.dtype == torch.float64 else torch.float32)
 
     def attach(self, model: nn.Module) -> None:
-        apply_aloe(model, self.op, layer=self.layer, check_fingerprint=self.check_fingerprint, dtype=self.dtype)
+        apply_aloe(
+            model,
+            self.op,
+            layer=self.layer,
+            check_fingerprint=self.check_fingerprint,
+            dtype=self.dtype,
+            write_positions=self.write_positions,
+        )
 
     def detach(self, model: nn.Module) -> None:
         remove_aloe(model)

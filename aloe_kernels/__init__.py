@@ -2,7 +2,7 @@
 dispatch and the drop-in Hugging Face patch."""
 
 from .errors import AloeError, ArtifactError, PatchError
-from .hf import apply_aloe, remove_aloe
+from .hf import apply_aloe, remove_aloe, written_from
 from .operator import AloeOperator, weight_fingerprint
 from .reference import aloe_gates, aloe_reference
 from .residual import aloe_residual_
@@ -18,5 +18,6 @@ __all__ = [
     "apply_aloe",
     "remove_aloe",
     "weight_fingerprint",
+    "written_from",
 ]
 __version__ = "0.1.0"

@@ -9,8 +9,9 @@ imports transformers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from .residual import aloe_residual_
 from .runtime import STREAM_MAX_TOKENS, kernel_dtypes, use_fused_kernel
 from .screened import SCREEN_MIN_EDITS
 from .screened_int8 import Int8Screen, int8_screen_supported, int8_screened_residual_
+from .write_positions import DEFAULT_WRITE_POSITIONS, add_at_written_positions, check_write_positions
 
 # Where decoder layers live, and where the down-projection sits inside one layer.
 _LAYER_LISTS = (
@@ -120,7 +122,8 @@ class AloeDownProj(nn.Module):
     is added in place by :func:`aloe_residual_`, or, on CPU with a float32
     operator, through the exact int8 screen (:mod:`aloe_kernels.screened_int8`)
     when ``screen`` is True, or None and the operator holds at least
-    :data:`~aloe_kernels.screened.SCREEN_MIN_EDITS` edits.
+    :data:`~aloe_kernels.screened.SCREEN_MIN_EDITS` edits. ``write_positions`` picks the positions
+    that receive the residual (:mod:`aloe_kernels.write_positions`).
     """
 
     def __init__(
@@ -130,9 +133,12 @@ class AloeDownProj(nn.Module):
         deterministic: bool = False,
         screen: bool | None = None,
         int8_addresses: bool = False,
+        write_positions: str = DEFAULT_WRITE_POSITIONS,
     ):
         super().__init__()
         self.base = base
+        self.write_positions = check_write_positions(write_positions)
+        self.write_starts: torch.Tensor | None = None  # set by written_from()
         self.deterministic = deterministic
         self.screen = screen
         self.int8_addresses = int8_addresses
@@ -181,6 +187,11 @@ class AloeDownProj(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.base(h)
+        if self.write_positions == "all":
+            return self._add_residual(y, h)
+        return add_at_written_positions(y, h, self._add_residual, self.write_starts)
+
+    def _add_residual(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         op = self._runtime_op
         if torch.is_grad_enabled() and (h.requires_grad or any(getattr(self, k).requires_grad for k in _TENSORS)):
             return y + aloe_reference(h, op).to(y.dtype)
@@ -202,6 +213,22 @@ def find_aloe_modules(model: nn.Module) -> list[tuple[str, AloeDownProj]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, AloeDownProj)]
 
 
+@contextlib.contextmanager
+def written_from(model: nn.Module, starts: torch.Tensor) -> Iterator[None]:
+    """Within the context, a forward call over a batch writes row b's residual from position
+    ``starts[b]`` on (index into the padded sequence; the prompt's last token when a continuation is
+    scored teacher-forced), as generation would have. No effect on a model without ALOE or with
+    ``write_positions="all"``."""
+    modules = [m for _, m in find_aloe_modules(model)]
+    for m in modules:
+        m.write_starts = starts
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.write_starts = None
+
+
 def apply_aloe(
     model: nn.Module,
     op: AloeOperator,
@@ -211,6 +238,7 @@ def apply_aloe(
     dtype: torch.dtype | None = None,
     screen: bool | None = None,
     int8_addresses: bool = False,
+    write_positions: str = DEFAULT_WRITE_POSITIONS,
 ) -> AloeDownProj:
     """Patch ``model`` in place so that one down-projection adds ``U g(h)``.
 
@@ -224,7 +252,9 @@ def apply_aloe(
     gates either way; the screen is several times faster at decode). ``int8_addresses``: where the
     fused kernel runs (CUDA), calls of at most 32 tokens stream an int8 copy of the addresses first
     and read only the rows it keeps (:mod:`aloe_kernels.int8_addresses`; the same output bits as the
-    streaming decode kernel without it); quantised here, from the operator as given. Refuses, with a
+    streaming decode kernel without it); quantised here, from the operator as given.
+    ``write_positions``: ``"generated"`` (default) adds the residual only where the next token is
+    generated, ``"all"`` at every position (:mod:`aloe_kernels.write_positions`). Refuses, with a
     :class:`PatchError`, a layer out of range, a d/d_out mismatch, a
     fingerprint mismatch (when the operator records one and
     ``check_fingerprint``), and a model that is already patched.
@@ -254,7 +284,12 @@ def apply_aloe(
     if dtype is None:
         dtype = op.dtype if op.dtype == torch.float64 else (torch.float32 if w.device.type == "cpu" else w.dtype)
     wrapper = AloeDownProj(
-        site.module, op.to(w.device, dtype), deterministic=deterministic, screen=screen, int8_addresses=int8_addresses
+        site.module,
+        op.to(w.device, dtype),
+        deterministic=deterministic,
+        screen=screen,
+        int8_addresses=int8_addresses,
+        write_positions=write_positions,
     )
     setattr(site.parent, site.attr, wrapper)
     return wrapper

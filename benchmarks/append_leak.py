@@ -32,6 +32,7 @@ from aloe_eval.chat import CHAT_TOKENS, chat_answers
 from aloe_eval.metrics import contains_target, starts_with_target
 from aloe_eval.plan import statement
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
+from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, WRITE_POSITIONS
 
 PLAIN_TOKENS = 10
 
@@ -40,8 +41,8 @@ def _requests(op: AloeOperator) -> list[SimpleNamespace]:
     return [SimpleNamespace(id=e["id"], prompt=e["request"], target_new=e["target"]) for e in op.edits]
 
 
-def _answers(model, tok, op: AloeOperator, prompts: list, chat: bool) -> list[str]:
-    apply_aloe(model, op)
+def _answers(model, tok, op: AloeOperator, prompts: list, chat: bool, write_positions: str) -> list[str]:
+    apply_aloe(model, op, write_positions=write_positions)
     try:
         if chat:
             ids = chat_answers(model, tok, prompts, None, tokens=CHAT_TOKENS)
@@ -53,15 +54,15 @@ def _answers(model, tok, op: AloeOperator, prompts: list, chat: bool) -> list[st
     return [tok.decode(a, skip_special_tokens=True) for a in ids]
 
 
-def measure(model, tok, base: AloeOperator, appended: AloeOperator, pairs: list, chat: bool) -> dict:
+def measure(model, tok, base: AloeOperator, appended: AloeOperator, pairs: list, chat: bool, write_positions: str) -> dict:
     def ask(first, second):
         return [[statement(first), second.prompt]] if chat else [f"{statement(first)} {second.prompt}"]
 
     leak_prompts = [p for new, old in pairs for p in ask(new, old)]
     reverse_prompts = [p for new, old in pairs for p in ask(old, new)]
-    before = _answers(model, tok, base, leak_prompts, chat)
-    after = _answers(model, tok, appended, leak_prompts, chat)
-    reverse = _answers(model, tok, appended, reverse_prompts, chat)
+    before = _answers(model, tok, base, leak_prompts, chat, write_positions)
+    after = _answers(model, tok, appended, leak_prompts, chat, write_positions)
+    reverse = _answers(model, tok, appended, reverse_prompts, chat, write_positions)
     n = len(pairs)
     stable = sum(a == b for a, b in zip(before, after))
     leak = sum(
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=100, help="appended edits tested (default 100)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--write-positions", default=DEFAULT_WRITE_POSITIONS, choices=WRITE_POSITIONS)
     args = ap.parse_args()
     t0 = time.time()
     base, appended = AloeOperator.load(args.base), AloeOperator.load(args.appended)
@@ -98,8 +100,9 @@ def main() -> None:
     pairs = [(r, earlier[(i * stride) % len(earlier)]) for i, r in enumerate(new)]
     model, tok = load_model(args.model)
     out = {"base": args.base, "appended": args.appended, "base_edits": base.n, "appended_edits": appended.n - base.n}
+    out["write_positions"] = args.write_positions
     for chat in (False, True):
-        out["chat" if chat else "plain"] = measure(model, tok, base, appended, pairs, chat)
+        out["chat" if chat else "plain"] = measure(model, tok, base, appended, pairs, chat, args.write_positions)
         print(json.dumps({k: v for k, v in out["chat" if chat else "plain"].items() if k != "examples"}), flush=True)
     out["seconds"] = round(time.time() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ import torch
 
 from aloe_kernels.errors import AloeError
 from aloe_kernels.operator import AloeOperator, weight_fingerprint
+from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, WRITE_POSITIONS, check_write_positions
 
 from .format import (
     ADMIN_KEY_ENV,
@@ -229,6 +230,7 @@ def export_vllm(
     overwrite: bool = False,
     link: bool = True,
     capacity: int | None = None,
+    write_positions: str = DEFAULT_WRITE_POSITIONS,
 ) -> Path:
     """Write a vLLM serving directory for ``base`` edited by the operator at ``operator_dir``.
 
@@ -236,7 +238,8 @@ def export_vllm(
     temporary directory renamed into place). ``overwrite`` replaces an existing
     export (only a directory that is itself an ALOE export, or an empty one).
     ``capacity`` (>= the operator's n) reserves that many edit slots for live
-    swaps (``aloe.capacity`` in config.json). Returns the output directory.
+    swaps (``aloe.capacity`` in config.json). ``write_positions`` (``aloe.write_positions``): where
+    the residual is kept (:mod:`aloe_kernels.write_positions`). Returns the output directory.
     """
     base_dir = resolve_base(base)
     op = AloeOperator.load(operator_dir)
@@ -245,6 +248,7 @@ def export_vllm(
         if capacity < op.n:
             raise AloeSpecError(f"capacity {capacity} (--max-edits) is below the operator's {op.n} edits")
         spec = dataclasses.replace(spec, capacity=int(capacity))
+    spec = dataclasses.replace(spec, write_positions=check_write_positions(write_positions))
     out = Path(out_dir).expanduser().absolute()
     if out.exists():
         if out.is_dir() and not any(out.iterdir()):
@@ -372,6 +376,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         link=not args.copy,
         capacity=args.max_edits,
+        write_positions=args.write_positions,
     )
     print(out)
     return 0
@@ -415,7 +420,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.operator:
         out = Path(args.out) if args.out else default_export_dir(base_dir, args.operator)
         # Re-export every time: validation is cheap and a stale cache must never be served.
-        model_dir = export_vllm(base_dir, args.operator, out, layer=args.layer, overwrite=True, capacity=args.max_edits)
+        model_dir = export_vllm(
+            base_dir,
+            args.operator,
+            out,
+            layer=args.layer,
+            overwrite=True,
+            capacity=args.max_edits,
+            write_positions=args.write_positions,
+        )
     else:
         model_dir = base_dir
     env = dict(os.environ)
@@ -445,6 +458,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing export")
     p.add_argument("--copy", action="store_true", help="copy the base files instead of symlinking them")
     p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
+    p.add_argument(
+        "--write-positions",
+        default=DEFAULT_WRITE_POSITIONS,
+        choices=WRITE_POSITIONS,
+        help="where the residual is added: 'generated' (default) where the next token is sampled, 'all' everywhere",
+    )
     p.set_defaults(func=_cmd_export)
 
     p = subparsers.add_parser(
@@ -460,6 +479,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
+    p.add_argument(
+        "--write-positions",
+        default=DEFAULT_WRITE_POSITIONS,
+        choices=WRITE_POSITIONS,
+        help="where the residual is added: 'generated' (default) where the next token is sampled, 'all' everywhere",
+    )
     p.add_argument(
         "--admin-key-file",
         default=None,

@@ -42,7 +42,10 @@ from aloe_kernels.operator import AloeOperator
 from vllm.distributed import tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.linear import RowParallelLinear
 
-from . import ops  # noqa: F401  (importing registers the torch.ops.aloe_vllm custom ops)
+from . import (
+    ops,  # noqa: F401  (importing registers the torch.ops.aloe_vllm custom ops)
+    positions,  # noqa: F401  (registers aloe_vllm::restore_unsampled_rows_)
+)
 from .format import INERT, PARAM_NAMES, AloeSpec, AloeSpecError, AloeSwapFailed, edit_share, slot_order
 from .screen import refresh_int8_screen_, refresh_screen_, screen_buffers, screen_kind
 
@@ -344,7 +347,11 @@ class AloeRowParallelLinear(RowParallelLinear):
         bias_ = None if (self.tp_rank > 0 or self.skip_bias_add) else self.bias
         output_parallel = self.quant_method.apply(self, input_, bias_)
         if self.aloe_n > 0:
+            # "generated": the residual stays only where the next token is sampled (positions.py)
+            before = output_parallel.clone() if self.aloe_spec.write_positions == "generated" else None
             self._add_aloe_(output_parallel, input_)
+            if before is not None:
+                torch.ops.aloe_vllm.restore_unsampled_rows_(output_parallel, before)
         if self.reduce_results and self.tp_size > 1:
             output = tensor_model_parallel_all_reduce(output_parallel)
         else:

@@ -71,7 +71,7 @@ def test_open_gates_equal_independent_residual(family, residual_path, screen):
         layer=LAYER,
         weight_fingerprint=weight_fingerprint(site.weight()),
     )
-    wrapper = apply_aloe(model, op, screen=screen)
+    wrapper = apply_aloe(model, op, screen=screen, write_positions="all")
     assert (wrapper._int8_screen is not None) == (screen and site.weight().device.type == "cpu")
     out = {}
     handle = wrapper.register_forward_hook(lambda m, a, o: out.update(y=o.detach().clone()))
@@ -122,7 +122,7 @@ def test_generate_works_patched(family):
     assert torch.equal(closed, before)
     remove_aloe(model)
     h, _ = _capture_down_proj_input(model, batch)
-    apply_aloe(model, operator_opening_on(h.reshape(-1, site.d), 0, site.d_out), layer=LAYER)
+    apply_aloe(model, operator_opening_on(h.reshape(-1, site.d), 0, site.d_out), layer=LAYER, write_positions="all")
     with torch.no_grad():
         opened = model.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
     assert opened.shape == before.shape
@@ -132,7 +132,7 @@ def test_gradients_flow_through_writes():
     model = tiny_model("llama")
     site = locate_down_proj(model, LAYER)
     h, _ = _capture_down_proj_input(model, _inputs())
-    wrapper = apply_aloe(model, operator_opening_on(h.reshape(-1, site.d)[:2], 2, site.d_out), layer=LAYER)
+    wrapper = apply_aloe(model, operator_opening_on(h.reshape(-1, site.d)[:2], 2, site.d_out), layer=LAYER, write_positions="all")
     wrapper.writes.requires_grad_(True)
     model(**_inputs()).logits.sum().backward()
     assert wrapper.writes.grad is not None and wrapper.writes.grad[:2].abs().sum() > 0
@@ -187,11 +187,11 @@ def test_operator_dtype_as_served_or_as_asked():
     site = locate_down_proj(model, LAYER)
     op = operator_opening_on(h.reshape(-1, site.d)[:3].float(), n_extra=4, d_out=site.d_out)
     op = AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")}, layer=LAYER)
-    wrapper = apply_aloe(model, op)
+    wrapper = apply_aloe(model, op, write_positions="all")
     served = torch.float32 if site.weight().device.type == "cpu" else torch.bfloat16
     assert all(getattr(wrapper, k).dtype == served for k in ("addresses", "thresholds", "temperatures", "writes"))
     remove_aloe(model)
-    wrapper = apply_aloe(model, op, dtype=torch.bfloat16)
+    wrapper = apply_aloe(model, op, dtype=torch.bfloat16, write_positions="all")
     rounded = {k: getattr(op, k).to(torch.bfloat16) for k in ("addresses", "thresholds", "temperatures", "writes")}
     assert all(torch.equal(getattr(wrapper, k), v) for k, v in rounded.items())
     out = {}

@@ -327,7 +327,7 @@ def test_hf_module_with_int8_addresses_gives_the_stream_bits(monkeypatch):
     monkeypatch.setattr(stream, "aloe_stream_screened_residual_", lambda y, h, *a: (screened.append(h.shape), real(y, h, *a))[1])
     logits = {}
     for int8 in (False, True):
-        wrapper = apply_aloe(model, op, int8_addresses=int8)
+        wrapper = apply_aloe(model, op, int8_addresses=int8, write_positions="all")
         assert (wrapper._stream_screen is not None) == int8
         with torch.no_grad():
             logits[int8] = (model(input_ids=ids).logits, model(input_ids=torch.cat([ids, ids], dim=1)).logits)

@@ -322,6 +322,16 @@ def test_export_layout(tiny, tmp_path):
     export_vllm(sharded, t["op"], out, overwrite=True)
 
 
+def test_write_positions_in_the_spec(tiny):
+    config = json.loads((Path(tiny["llama"]["serve"]) / "config.json").read_text())
+    assert config["aloe"]["write_positions"] == "generated"  # the default export
+    del config["aloe"]["write_positions"]  # a directory exported before the field existed
+    assert AloeSpec.from_config(config).write_positions == "generated"
+    config["aloe"]["write_positions"] = "prompt"
+    with pytest.raises(AloeSpecError, match="write_positions.*generated, all"):
+        AloeSpec.from_config(config)
+
+
 def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
     from aloe_vllm.export import export_vllm
 
@@ -514,6 +524,37 @@ def test_smollm2_parity_with_transformers(smol, vllm_cache):
     # The edited facts come out: the first token of the new target on the edited requests.
     hits = sum(g[0] == t for g, t in zip(got[:SMOL_EDITS], smol["target_first"]))
     assert hits >= SMOL_EDITS - 1, hits
+
+
+@pytest.mark.slow
+def test_smollm2_write_positions_match_transformers(smol, vllm_cache):
+    """Each edit's statement, then another subject's question: vLLM writes where the patched
+    transformers model writes, at the sampled tokens by default and everywhere with
+    ``write_positions="all"``; on these prompts the two policies give different answers."""
+    from aloe_build import models
+    from aloe_build.data import load_edits
+    from aloe_build.data.requests import fact_statement
+    from aloe_cli.demo import DEMO_EDITS
+    from aloe_vllm.export import export_vllm
+
+    edits = load_edits(DEMO_EDITS, limit=SMOL_EDITS)
+    prompts = [f"{fact_statement(e.prompt, e.target_new)} {e.locality[0].prompt}" for e in edits]
+    model, tok = models.load_model("smollm2")
+    expected = {}
+    for policy in ("generated", "all"):
+        apply_aloe(model, smol["op"], write_positions=policy)
+        try:
+            with cpu_path():
+                expected[policy] = greedy_hf(model, tok, prompts, SMOL_TOKENS)
+        finally:
+            remove_aloe(model)
+    assert expected["generated"] != expected["all"]
+    every = export_vllm("smollm2", smol["root"] / "op", smol["root"] / "serve_all", write_positions="all")
+    run = {"prompts": prompts, "max_tokens": SMOL_TOKENS, "eager": True}
+    runs = [{**run, "model": str(smol["serve"])}, {**run, "model": str(every)}]
+    got, got_all = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
+    assert got == expected["generated"]
+    assert got_all == expected["all"]
 
 
 @pytest.mark.slow
