@@ -130,6 +130,7 @@ def _meta(args: argparse.Namespace, edits_path: Path) -> dict:
         "data_sha256": file_sha256(edits_path),
         "data_limit": args.limit,
         "operator_dir": str(args.operator) if args.operator else None,
+        "write_positions": args.write_positions,
         "command": _command(args),
         "argv": list(sys.argv),
         "model_arg": str(args.model),
@@ -225,7 +226,12 @@ def _chat(model, tokenizer, requests, editor: Editor, layer: int, args: argparse
         "template": chat_template_key(tokenizer),
     }
     if isinstance(editor, AloeEditor):
-        context, stem = {"operator": editor.op.fingerprint(), "operator_dtype": args.operator_dtype}, "chat"
+        context = {
+            "operator": editor.op.fingerprint(),
+            "operator_dtype": args.operator_dtype,
+            "write_positions": editor.write_positions,
+        }
+        stem = "chat"
     else:
         kind = str(editor.info().get("kind", editor.name)).lower()
         context = {"editor": editor.name, "info": json.dumps(editor.info(), sort_keys=True, default=str)}

@@ -156,6 +156,7 @@ class AloeEditor(Editor):
             "operator_hash": op.fingerprint(),
             "weight_fingerprint": op.weight_fingerprint,
             "operator_dtype": "served" if self.dtype is None else str(self.dtype).removeprefix("torch."),
+            "write_positions": self.write_positions,
         }
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import operator_opening_on
 from tiny_models import tiny_model, tiny_tokenizer
 
 from aloe_build.forward import generate_with_states, greedy_generate, teacher_forced
 from aloe_build.tokens import encode_continuation, pad_id
+from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
+from aloe_kernels.hf import locate_down_proj
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +96,28 @@ def test_teacher_forced_matches_single_forward(tiny):
         nll = -lp[len(p) - 1 : len(p) - 1 + len(c)].gather(1, torch.tensor(c)[:, None]).mean()
         assert r.nll == pytest.approx(float(nll), abs=1e-4)
         torch.testing.assert_close(r.hidden, out.hidden_states[-1][0, len(p) - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_teacher_forced_scores_a_patched_model_as_it_generates():
+    """With an operator that opens at every prompt position, the teacher-forced predictions of a
+    greedy continuation are that continuation (the residual from the prompt's last token on, as
+    in generation), in a batch whose rows are padded differently."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompts = [tok(p)["input_ids"] for p in ("The Eiffel Tower is located in the city of", "Toko Yasuda plays the")]
+    site = locate_down_proj(model, 1)
+    states = {}
+    handle = site.module.register_forward_hook(lambda m, a, o: states.update(h=a[0].detach().clone()))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompts[0]]))
+    handle.remove()
+    op = operator_opening_on(states["h"][0], n_extra=2, d_out=site.d_out)
+    apply_aloe(model, AloeOperator(**{k: getattr(op, k) for k in ("addresses", "thresholds", "temperatures", "writes")}, layer=1))
+    try:
+        gens = greedy_generate(model, prompts, 4, pad_id=pad_id(tok), batch_size=2)
+        res = teacher_forced(model, list(zip(prompts, gens)), pad_id=pad_id(tok), batch_size=2)
+    finally:
+        remove_aloe(model)
+    assert [list(r.preds) for r in res] == gens
 
 
 # ----------------------------------------------------------------------------- metric families

@@ -40,6 +40,17 @@ def _reference_residual(h, op):
     return g @ op.writes.double()
 
 
+def _patched_llama(shape, seed):
+    """A tiny Llama patched with the default policy and an operator opening at every position of
+    random ``ids`` of ``shape``: (model, ids, h, y, op), h and y from the unpatched model."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
+    h, y = _states(model, ids)
+    op = _opening_everywhere(model, h)
+    apply_aloe(model, op)
+    return model, ids, h, y, op
+
+
 def _patched_output(model, ids, mask=None):
     out = {}
     wrapper = locate_down_proj(model, LAYER).module
@@ -69,11 +80,7 @@ def test_prefill_writes_only_the_last_position(family, residual_path):
 
 
 def test_written_from_starts_each_row_at_its_own_position(residual_path):
-    model = tiny_model("llama")
-    ids = torch.randint(3, 128, (3, 9), generator=torch.Generator().manual_seed(2))
-    h, y = _states(model, ids)
-    op = _opening_everywhere(model, h)
-    apply_aloe(model, op)
+    model, ids, h, y, op = _patched_llama((3, 9), seed=2)
     starts = torch.tensor([0, 4, 8])
     with written_from(model, starts):
         out = _patched_output(model, ids)
@@ -112,11 +119,7 @@ def test_teacher_forced_scoring_matches_cached_generation(family, residual_path)
 
 
 def test_one_token_calls_are_written_in_full(residual_path):
-    model = tiny_model("llama")
-    ids = torch.randint(3, 128, (4, 1), generator=torch.Generator().manual_seed(4))
-    h, y = _states(model, ids)
-    op = _opening_everywhere(model, h)
-    apply_aloe(model, op)
+    model, ids, h, y, op = _patched_llama((4, 1), seed=4)
     out = _patched_output(model, ids)
     torch.testing.assert_close(out.double(), y.double() + _reference_residual(h, op), rtol=1e-4, atol=1e-4)
 
