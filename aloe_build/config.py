@@ -175,6 +175,17 @@ class ExperimentalConfig:
     """Measured experiments, off by default (``BuildConfig.experimental``); setting one warns.
     Their measured effects are in docs/experiments.md."""
 
+    negatives_after_statement: int = _at(
+        3,
+        0,
+        (
+            "Per edit, this many of its own negative prompts asked after its statement ('<request> <target>. "
+            "<prompt>'; as a second user turn too with chat positives): their states after the statement are "
+            "negatives of its slot, so the gate stays shut on other questions once the edit's fact is in the "
+            "context."
+        ),
+        before=0,
+    )
     finetune_keep_after_statement: int = _at(
         8,
         0,

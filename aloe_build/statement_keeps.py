@@ -23,7 +23,7 @@ from .corpus import Corpus
 from .data import fact_statement
 from .questions import generic_questions
 from .slots import Slot
-from .tokens import chat_prompt, encode_prompt
+from .tokens import chat_prompt, common_prefix_length, encode_prompt
 
 #: Generic questions, and corpus requests, that the keep questions are drawn from (each).
 KEEP_POOL = 200
@@ -48,6 +48,17 @@ def keep_questions(corpus: Corpus, slot: Slot, k: int, seed: int) -> list[str]:
     return random.Random(f"{seed}\x00keep\x00{slot.prompt}").sample(pool, min(k, len(pool)))
 
 
+def after_statement(tokenizer, slot: Slot, question: str, chat: bool) -> tuple[list[int], int]:
+    """``question`` asked after the slot's statement, plainly ('<request> <target>. <question>') or
+    as the second of two user turns: its token ids, and the first position past the statement."""
+    said = fact_statement(slot.prompt, slot.target)
+    if chat:
+        ids = chat_prompt(tokenizer, [said, question])
+        return ids, common_prefix_length(ids, chat_prompt(tokenizer, said))
+    ids = encode_prompt(tokenizer, f"{said} {question}")
+    return ids, common_prefix_length(ids, encode_prompt(tokenizer, said))
+
+
 def statement_keeps(model, tokenizer, slots: Sequence[Slot], corpus: Corpus, layer: int, cfg: BuildConfig) -> KeepSequences:
     """Each slot's statement followed by ``cfg.experimental.finetune_keep_after_statement`` questions, with the
     answer the model gives now (``cfg.negative_continuation_tokens`` at most, cut at a stop token):
@@ -57,12 +68,9 @@ def statement_keeps(model, tokenizer, slots: Sequence[Slot], corpus: Corpus, lay
     prompts: list[list[int]] = []
     owners: list[int] = []
     for i, s in enumerate(slots if k > 0 else []):
-        said = fact_statement(s.prompt, s.target)
         for q in keep_questions(corpus, s, k, cfg.seed):
-            prompts.append(encode_prompt(tokenizer, f"{said} {q}"))
-            owners.append(i)
-            if cfg.chat.positives_chat:
-                prompts.append(chat_prompt(tokenizer, [said, q]))
+            for chat in (False, True) if cfg.chat.positives_chat else (False,):
+                prompts.append(after_statement(tokenizer, s, q, chat)[0])
                 owners.append(i)
     if not prompts:
         return KeepSequences([], [], [])

@@ -14,7 +14,7 @@ import torch
 from aloe_build.data import EditRequest
 from aloe_build.tokens import encode_continuation, left_pad, pad_id
 from aloe_eval import Editor
-from aloe_kernels import AloeOperator, apply_aloe, remove_aloe, weight_fingerprint
+from aloe_kernels import AloeOperator, apply_aloe, remove_aloe, weight_fingerprint, written_from
 from aloe_kernels.hf import locate_down_proj
 
 LAYER = 1
@@ -83,7 +83,9 @@ def handmade_operator(
                 labels = torch.full_like(ids, -100)
                 for b, (_, c) in enumerate(chunk):
                     labels[b, T - len(c) - 1 : T - 1] = torch.tensor(c)
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+                starts = torch.tensor([T - len(c) - 1 for _, c in chunk])  # written as generation writes
+                with written_from(model, starts):
+                    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
                 valid = labels != -100
                 all_right &= bool(((logits.argmax(-1) == labels) | ~valid).all())
                 loss = torch.nn.functional.cross_entropy(

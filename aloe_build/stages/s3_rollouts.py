@@ -29,6 +29,7 @@ from ..config import BuildConfig
 from ..corpus import Corpus, exclusion_prompts, relation_words, word_swapped_templates
 from ..forward import Tick, in_precision, teacher_forced
 from ..slots import Slot
+from ..statement_keeps import after_statement
 from ..states import StateBatch
 from ..system_prompts import GENERIC_SYSTEM_PROMPTS
 from ..tokens import (
@@ -304,6 +305,10 @@ def edit_negative_sequences(
         for t in in_turn(kinds, cfg.chat.negatives_chat_own) if cfg.chat.positives_chat else []:
             ids = chat_prompt(tokenizer, t)  # the template's header is in the shared chat pool
             add(ids, range(chat_head, len(ids)))
+        for t in in_turn(kinds, cfg.experimental.negatives_after_statement):  # the edit's fact in the context
+            for chat in (False, True) if cfg.chat.positives_chat else (False,):
+                ids, head = after_statement(tokenizer, s, t, chat)
+                add(ids, range(head, len(ids)))
     return spec_seqs, spec_pos, spec_owner
 
 

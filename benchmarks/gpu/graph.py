@@ -188,12 +188,16 @@ def check_hf_patch(ctx: Context, res: PartResult, dtype: torch.dtype) -> None:
         writes=writes,
         layer=0,
     )
-    wrapper = apply_aloe(model, op)
+    wrapper = apply_aloe(model, op, write_positions="all")  # the operator's math at every position
     op_rt = wrapper.operator  # as held by the module (weight dtype on GPU, float32 on CPU)
     with torch.no_grad():
         base = site.module(h)
         ref = base.double() + float64_delta(h, op_rt)
         _check(res, f"HF patched down_proj eager ({dtype}, n={n})", wrapper(h), ref, TOL[dtype])
+        wrapper.write_positions = "generated"  # the default: each row's last position only
+        ref_last = torch.cat([base.double()[:, :-1], ref[:, -1:]], dim=1)
+        _check(res, "HF patched down_proj eager, write_positions=generated", wrapper(h), ref_last, TOL[dtype])
+        wrapper.write_positions = "all"
         if ctx.cuda:
             x = torch.zeros_like(h)  # captured on zeros: the replay must read the h copied in afterwards
             out: dict = {}

@@ -78,3 +78,36 @@ def test_a_build_with_keeps_trains_on_them_and_reports_how_many_it_keeps(tmp_pat
     stage8 = json.loads((tmp_path / "op" / "build_report.json").read_text())["stages"]["8_finetune"]
     assert 0 < stage8["keep_sequences"] <= 2 * len(_edits())
     assert 0.0 <= stage8["kept"] <= 1.0
+
+
+def test_negatives_after_statement_are_the_question_positions_of_each_own_negative():
+    """Stage 3 with negatives_after_statement=k: per slot, k of its own negative prompts after its
+    statement, plainly and (with chat positives) as a second user turn; only positions past the
+    statement are negatives, and the statement's text is in each sequence."""
+    import random
+
+    from aloe_build.data import fact_statement
+    from aloe_build.stages import s3_rollouts as rollouts
+
+    tok = tiny_tokenizer()
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    corpus, _ = load_corpus(None, 300, 0, 0)
+    slots = make_slots(_edits())
+    for chat in (False, True):
+        base = BuildConfig(positives_chat=chat, positives_prefixed=0)
+        cfg = BuildConfig(positives_chat=chat, positives_prefixed=0, negatives_after_statement=2)
+        seqs = rollouts.token_sequences(tok, slots, corpus, base)
+        before = rollouts.edit_negative_sequences(tok, slots, seqs, corpus, base, random.Random(0))
+        after = rollouts.edit_negative_sequences(tok, slots, seqs, corpus, cfg, random.Random(0))
+        for i, s in enumerate(slots):
+            own = [(q, p) for q, p, o in zip(*before) if o == i]
+            more = [(q, p) for q, p, o in zip(*after) if o == i][len(own) :]
+            assert len(more) == 2 * (2 if chat else 1)
+            said = fact_statement(s.prompt, s.target)
+            plain_head = encode_prompt(tok, said)
+            chat_head = tok(f"user : {said} .", add_special_tokens=False)["input_ids"]  # the first user turn
+            for k, (q, p) in enumerate(more):
+                head = chat_head if chat and k % 2 == 1 else plain_head
+                assert q[: len(head)] == head
+                # past the statement only (a position whose prefix the slot already has is left out)
+                assert set(p) <= set(range(len(head), len(q))) and p[-1] == len(q) - 1
