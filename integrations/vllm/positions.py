@@ -5,8 +5,10 @@ vLLM flattens a step's requests into one token axis; the attention metadata's ``
 marks where each request's tokens start, so the last token of each request's query is the one whose
 logits are sampled: the prompt's last token in a prefill, the one new token in a decode step. A
 chunked prefill's earlier chunks also end in such a token; that one prompt position per chunk is
-written too. Without attention metadata (vLLM's profiling run), and while a CUDA graph is captured
-(its replays would not see a new step's requests), every row keeps the residual.
+written too. With speculative decoding a step verifies several draft tokens of a request, and only
+the last of them is written: not supported yet. Without attention metadata (vLLM's profiling run),
+and while a CUDA graph is captured (its replays would not see a new step's requests), every row
+keeps the residual.
 
 ``aloe_vllm::restore_unsampled_rows_`` is a custom op so that torch.compile treats it as opaque and
 reads the step's metadata at run time rather than tracing it.
