@@ -24,7 +24,7 @@ from aloe_eval.protocol import edited_layer, fit_baseline
 from aloe_kernels import AloeOperator, weight_fingerprint
 from aloe_kernels.errors import AloeError
 from aloe_kernels.hf import locate_down_proj
-from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, WRITE_POSITIONS
+from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, add_write_positions_argument
 
 from .options import DTYPE_CHOICES, add_device_args, load_model_for
 
@@ -348,13 +348,7 @@ def _add_protocol_args(p: argparse.ArgumentParser) -> None:
         "with a custom system prompt (chat.json, chat.md); the unedited model's answers are kept "
         "under $ALOE_CACHE/chat-answers (default ~/.cache/aloe) for the next evaluation",
     )
-    p.add_argument(
-        "--write-positions",
-        default=DEFAULT_WRITE_POSITIONS,
-        choices=WRITE_POSITIONS,
-        help="where the operator adds its residual: 'generated' (default) only where the next token is "
-        "generated, 'all' at every position as well (see aloe_kernels.write_positions)",
-    )
+    add_write_positions_argument(p)
     p.add_argument(
         "--chat-system",
         action="append",

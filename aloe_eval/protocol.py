@@ -210,7 +210,7 @@ def _chunk_context(
         "open_threshold": open_threshold,
         "grace": repr(grace_config),
         "operator": primary.op.fingerprint() if isinstance(primary, AloeEditor) else None,
-        "primary": primary.info() if isinstance(primary, AloeEditor) else None,
+        "write_positions": primary.write_positions if isinstance(primary, AloeEditor) else None,
         "dtype": str(next(model.parameters()).dtype),
     }
 

@@ -15,6 +15,7 @@ generated part starts (:func:`aloe_kernels.hf.written_from`).
 
 from __future__ import annotations
 
+import argparse
 from typing import Callable
 
 import torch
@@ -30,6 +31,17 @@ def check_write_positions(value: str) -> str:
     return value
 
 
+def add_write_positions_argument(parser: argparse.ArgumentParser) -> None:
+    """``--write-positions {generated,all}`` on a command line (default: :data:`DEFAULT_WRITE_POSITIONS`)."""
+    parser.add_argument(
+        "--write-positions",
+        default=DEFAULT_WRITE_POSITIONS,
+        choices=WRITE_POSITIONS,
+        help="where the operator adds its residual: 'generated' (default) only where the next token is "
+        "generated, 'all' at every position as well (see aloe_kernels.write_positions)",
+    )
+
+
 def add_at_written_positions(
     y: torch.Tensor,
     h: torch.Tensor,
@@ -39,11 +51,10 @@ def add_at_written_positions(
     """``add(y, h)`` (which returns y plus the residual) applied only at the written positions of
     ``y``/``h`` (shape ``(..., T, d)``): from ``starts[b]`` on in row b when given (a tensor of the
     leading shape), else the last position. Positions not written keep ``y``'s bits."""
-    T = h.shape[-2] if h.dim() >= 2 else 1
-    if h.dim() < 2 or (T == 1 and starts is None):
+    if h.dim() < 2 or (starts is None and h.shape[-2] == 1):
         return add(y, h)
     if starts is None:
         last = add(y[..., -1:, :].contiguous(), h[..., -1:, :].contiguous())
         return torch.cat([y[..., :-1, :], last], dim=-2)
-    written = torch.arange(T, device=h.device) >= starts.to(h.device).unsqueeze(-1)
+    written = torch.arange(h.shape[-2], device=h.device) >= starts.to(h.device).unsqueeze(-1)
     return torch.where(written.unsqueeze(-1), add(y.clone(), h), y)

@@ -32,7 +32,7 @@ from aloe_eval.chat import CHAT_TOKENS, chat_answers
 from aloe_eval.metrics import contains_target, starts_with_target
 from aloe_eval.plan import statement
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
-from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, WRITE_POSITIONS
+from aloe_kernels.write_positions import add_write_positions_argument
 
 PLAIN_TOKENS = 10
 
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=100, help="appended edits tested (default 100)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--write-positions", default=DEFAULT_WRITE_POSITIONS, choices=WRITE_POSITIONS)
+    add_write_positions_argument(ap)
     args = ap.parse_args()
     t0 = time.time()
     base, appended = AloeOperator.load(args.base), AloeOperator.load(args.appended)

@@ -18,10 +18,11 @@ import time
 import torch
 
 from aloe_build import load_edits, load_model
-from aloe_build.data.requests import fact_statement
 from aloe_build.forward import greedy_generate
 from aloe_build.tokens import chat_prompt, encode_continuation, encode_prompt, pad_id, stop_ids, until_end
 from aloe_eval.chat import CHAT_TOKENS, CUSTOM_SYSTEM
+from aloe_eval.metrics import contains_target
+from aloe_eval.plan import distracted_prompt, statement
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 from aloe_kernels.write_positions import WRITE_POSITIONS
 
@@ -40,11 +41,10 @@ def jobs_of(tok, edits) -> list[tuple[str, list[int], int, object]]:
         for r in e.rephrases[:1]:
             rid, rt = map(list, encode_continuation(tok, r, e.target_new))
             jobs.append(("rephrase", rid, len(rt), rt))
-        said = fact_statement(e.prompt, e.target_new)
         for lp in e.locality[:2]:
             jobs.append(("locality", encode_prompt(tok, lp.prompt), ANSWER_TOKENS, None))
-            jobs.append(("distracted", encode_prompt(tok, f"{said} {lp.prompt}"), ANSWER_TOKENS, e.target_new))
-            jobs.append(("chat_distracted", chat_prompt(tok, [said, lp.prompt]), CHAT_TOKENS, e.target_new))
+            jobs.append(("distracted", encode_prompt(tok, distracted_prompt(e, lp.prompt)), ANSWER_TOKENS, e.target_new))
+            jobs.append(("chat_distracted", chat_prompt(tok, [statement(e), lp.prompt]), CHAT_TOKENS, e.target_new))
         jobs.append(("chat_default_system", chat_prompt(tok, e.prompt), CHAT_TOKENS, e.target_new))
         jobs.append(("chat_custom_system", chat_prompt(tok, e.prompt, CUSTOM_SYSTEM), CHAT_TOKENS, e.target_new))
     return jobs
@@ -60,12 +60,12 @@ def score(tok, jobs, gens, base) -> dict[str, float]:
         if kind.startswith("chat"):
             g, b = until_end(g, stops), until_end(b, stops)
         if kind.startswith("chat_") and "system" in kind:
-            hits.setdefault(kind, []).append(tgt.strip().lower() in tok.decode(g).lower())
+            hits.setdefault(kind, []).append(contains_target(tok.decode(g), tgt))
             continue
         hits.setdefault(kind, []).append(g == b)
         if tgt is not None:
-            t = tgt.strip().lower()
-            hits.setdefault(kind + "_leak", []).append(t in tok.decode(g).lower() and t not in tok.decode(b).lower())
+            leak = contains_target(tok.decode(g), tgt) and not contains_target(tok.decode(b), tgt)
+            hits.setdefault(kind + "_leak", []).append(leak)
     return {k: round(sum(v) / len(v), 3) for k, v in hits.items()} | {"n_" + k: len(v) for k, v in hits.items()}
 
 

@@ -42,7 +42,7 @@ import torch
 
 from aloe_kernels.errors import AloeError
 from aloe_kernels.operator import AloeOperator, weight_fingerprint
-from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, WRITE_POSITIONS, check_write_positions
+from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, add_write_positions_argument, check_write_positions
 
 from .format import (
     ADMIN_KEY_ENV,
@@ -458,12 +458,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing export")
     p.add_argument("--copy", action="store_true", help="copy the base files instead of symlinking them")
     p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
-    p.add_argument(
-        "--write-positions",
-        default=DEFAULT_WRITE_POSITIONS,
-        choices=WRITE_POSITIONS,
-        help="where the residual is added: 'generated' (default) where the next token is sampled, 'all' everywhere",
-    )
+    add_write_positions_argument(p)
     p.set_defaults(func=_cmd_export)
 
     p = subparsers.add_parser(
@@ -479,12 +474,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
-    p.add_argument(
-        "--write-positions",
-        default=DEFAULT_WRITE_POSITIONS,
-        choices=WRITE_POSITIONS,
-        help="where the residual is added: 'generated' (default) where the next token is sampled, 'all' everywhere",
-    )
+    add_write_positions_argument(p)
     p.add_argument(
         "--admin-key-file",
         default=None,

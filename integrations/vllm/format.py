@@ -28,7 +28,7 @@ import math
 from typing import Any, Mapping
 
 from aloe_kernels.errors import AloeError
-from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, WRITE_POSITIONS
+from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, check_write_positions
 
 SPEC_VERSION = 1
 CONFIG_KEY = "aloe"
@@ -167,11 +167,10 @@ class AloeSpec:
             raise AloeSpecError(f"{source}: {CONFIG_KEY}.gate_eps: expected a float in [0, 1), got {geps!r}")
         if raw.get("dtype", "float32") not in ("float32", "float16", "bfloat16", "float64"):
             raise AloeSpecError(f"{source}: {CONFIG_KEY}.dtype: unsupported {raw.get('dtype')!r}")
-        if raw.get("write_positions", DEFAULT_WRITE_POSITIONS) not in WRITE_POSITIONS:
-            raise AloeSpecError(
-                f"{source}: {CONFIG_KEY}.write_positions: expected one of {', '.join(WRITE_POSITIONS)}, "
-                f"got {raw.get('write_positions')!r}"
-            )
+        try:
+            check_write_positions(raw.get("write_positions", DEFAULT_WRITE_POSITIONS))
+        except ValueError as e:
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}.{e}") from None
         return cls(**{k: raw[k] for k in raw})
 
     def check_model(self, *, num_layers: int, d: int, d_out: int, source: str = "config.json") -> None:
