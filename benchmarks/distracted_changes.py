@@ -15,7 +15,6 @@ change also says whether the same locality prompt, asked alone, changed in that 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections import Counter
 from pathlib import Path
@@ -24,17 +23,12 @@ import torch
 
 from aloe_build import load_model
 from aloe_build.tokens import encode_prompt
+from aloe_eval import EvalReport
 from aloe_kernels import AloeOperator, apply_aloe
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.reference import aloe_gates
 
 OPEN = 0.5
-
-
-def aloe_rows(eval_dir: Path) -> list[dict]:
-    """The per-edit rows of the ALOE editor in an ``aloe eval`` output directory."""
-    with gzip.open(eval_dir / "eval_rows.jsonl.gz", "rt") as f:
-        return [rec["row"] for rec in map(json.loads, f) if rec["editor"] == "ALOE"]
 
 
 def written_states(model, tokenizer, layer: int, prompt: str, answer_tokens: int) -> torch.Tensor:
@@ -70,7 +64,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     op = AloeOperator.load(args.operator)
     apply_aloe(model, op)  # the default write_positions, as served
-    rows = aloe_rows(args.eval_dir)
+    rows = EvalReport.load(args.eval_dir).editors["ALOE"].rows
     slot_request = {r["slot"]: f"{r['prompt']} -> {r['target']}" for r in rows}
     changed = [(r, d) for r in rows for d in r["distracted_prompts"] if d["stable"] < 1]
     counts: Counter = Counter()
