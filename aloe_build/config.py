@@ -237,6 +237,16 @@ class ExperimentalConfig:
             "so that a slot stays shut on other subjects' facts asked in new words."
         ),
     )
+    negatives_distracting: int = _at(
+        3,
+        0,
+        (
+            "Shared negatives of every slot: this many corpus statements, each followed by a same-relation "
+            "request about another subject (plainly, and with chat positives as a second user turn), at the "
+            "positions after the statement, so that no gate opens on a question asked after a fact is stated."
+        ),
+        before=0,
+    )
     positives_same_relation: int = _at(
         3,
         0,

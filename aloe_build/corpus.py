@@ -113,6 +113,22 @@ class Corpus:
         picked = rng.sample(list(pool), min(k, len(pool)))
         return [f"{text} {prompt}" for text in picked]
 
+    def distracting_pairs(self, k: int, rng: random.Random) -> list[tuple[str, str]]:
+        """Up to ``k`` (statement, question) pairs: the first corpus records' true statements, each
+        followed by the request of another record of the same relation about another subject, as a
+        conversation asks one fact after mentioning another."""
+        by_group: dict[str, list[CorpusItem]] = {}
+        for it in self.items:
+            by_group.setdefault(it.group, []).append(it)
+        pairs: list[tuple[str, str]] = []
+        for r, it in zip(self.records, self.items):
+            others = [o for o in by_group[it.group] if o.subject != it.subject]
+            if len(pairs) >= k:
+                break
+            if r.ground_truth and others:
+                pairs.append((f"{r.prompt} {r.ground_truth[0]}.", rng.choice(others).request))
+        return pairs
+
     def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:
         """``template`` filled with ``k`` other corpus subjects (same relation, other subject)."""
         out: list[str] = []

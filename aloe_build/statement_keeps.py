@@ -51,7 +51,12 @@ def keep_questions(corpus: Corpus, slot: Slot, k: int, seed: int) -> list[str]:
 def after_statement(tokenizer, slot: Slot, question: str, chat: bool) -> tuple[list[int], int]:
     """``question`` asked after the slot's statement, plainly ('<request> <target>. <question>') or
     as the second of two user turns: its token ids, and the first position past the statement."""
-    said = fact_statement(slot.prompt, slot.target)
+    return after_text(tokenizer, fact_statement(slot.prompt, slot.target), question, chat)
+
+
+def after_text(tokenizer, said: str, question: str, chat: bool) -> tuple[list[int], int]:
+    """``question`` asked after the sentence ``said``, plainly ('<said> <question>') or as the second
+    of two user turns: its token ids, and the first position past ``said``."""
     if chat:
         ids = chat_prompt(tokenizer, [said, question])
         return ids, common_prefix_length(ids, chat_prompt(tokenizer, said))

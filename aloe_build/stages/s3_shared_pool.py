@@ -6,6 +6,7 @@ same for every edit of a model, layer and corpus, so it is cached there and buil
 from __future__ import annotations
 
 import hashlib
+import random
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from ..chunked import continued
 from ..config import BuildConfig
 from ..corpus import Corpus
 from ..questions import QUESTIONS_VERSION, generic_questions
+from ..statement_keeps import after_text
 from ..system_prompts import GENERIC_SYSTEM_PROMPTS
 from ..tokens import (
     chat_header_length,
@@ -101,7 +103,35 @@ def shared_negatives(
         )
     if cfg.chat.positives_chat and cfg.chat.negatives_chat_pool > 0:
         pool = torch.cat([pool, shared_chat_negatives(model, tokenizer, layer, path, corpus, cfg)])
+    if cfg.experimental.negatives_distracting > 0:
+        pool = torch.cat([pool, distracting_negatives(model, tokenizer, layer, path, corpus, cfg)])
     return pool
+
+
+def distracting_negatives(model, tokenizer, layer: int, path: Path, corpus: Corpus, cfg: BuildConfig) -> torch.Tensor:
+    """Corpus statements each followed by a same-relation request about another subject
+    (:meth:`Corpus.distracting_pairs`), plainly and, with chat positives, as a second user turn, with
+    the unedited model's continuations: states from the first position past the statement. A gate
+    that opens there is one the statement before the question opened."""
+    pairs = corpus.distracting_pairs(cfg.experimental.negatives_distracting, random.Random(f"{cfg.seed}\x00distracting"))
+    forms = (False, True) if cfg.chat.positives_chat else (False,)
+
+    def compute() -> torch.Tensor:
+        asked = [after_text(tokenizer, said, question, chat) for said, question in pairs for chat in forms]
+        return continued(
+            model,
+            tokenizer,
+            [ids for ids, _ in asked],
+            cfg.negative_continuation_tokens,
+            layer,
+            cfg.batch_size,
+            "stage 3: questions after statements and their continuations",
+            starts=[head for _, head in asked],
+        )[1].states
+
+    chat = f"-{chat_template_key(tokenizer, ())}" if cfg.chat.positives_chat else ""
+    name = f"negatives-distracting-{len(pairs)}-s{cfg.seed}-c{cfg.negative_continuation_tokens}{chat}"
+    return cached_tensor(path / f"{name}.safetensors", compute)
 
 
 #: How many of the chat pool's questions are asked again after each generic system prompt.

@@ -93,3 +93,25 @@ def test_statement_pool_is_a_sample_of_the_corpus_statements_and_requests_draw_f
         assert all(text.endswith(f" {prompt}") for text in got)
         assert len(set(before)) == 3 and set(before) <= set(pool)
     assert len(corpus.prefixed_prompts("x", 50, rng, pool)) == 7
+
+
+def test_distracting_pairs_follow_a_true_statement_with_another_subjects_same_relation_request() -> None:
+    """Each pair is a corpus record's true statement, in corpus order (a record whose relation has no
+    other subject is passed over), then the request of a record of the same relation about another
+    subject."""
+    import random
+
+    from aloe_build.corpus import load_corpus
+
+    corpus = load_corpus(None, 200, 2, 0)[0]
+    pairs = corpus.distracting_pairs(40, random.Random(0))
+    assert len(pairs) == 40
+    index = {f"{r.prompt} {r.ground_truth[0]}.": k for k, r in enumerate(corpus.records) if r.ground_truth}
+    by_request = {r.prompt: r for r in corpus.records}
+    order = [index[statement] for statement, _ in pairs]
+    assert order == sorted(order) and len(set(order)) == len(order) and order[0] == 0
+    for (_, question), k in zip(pairs, order):
+        said, asked = corpus.records[k], by_request[question]
+        assert asked.subject != said.subject
+        assert corpus.group_of_template[asked.template] == corpus.group_of_template[said.template]
+    assert corpus.distracting_pairs(0, random.Random(0)) == []
