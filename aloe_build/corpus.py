@@ -35,6 +35,11 @@ def default_corpus_path() -> Path:
     return BUNDLED_CORPUS
 
 
+def _true_statement(record: EditRequest) -> str:
+    """A corpus record's true fact as a sentence ("The mother tongue of Danielle Darrieux is French.")."""
+    return f"{record.prompt} {record.ground_truth[0]}."
+
+
 @dataclass
 class CorpusItem:
     """One training item: request t, paraphrase x+, locality input x-, same-subject other-relation prompts r-."""
@@ -67,7 +72,7 @@ class Corpus:
         self.subjects = sorted({r.subject for r in self.records})
         # true statements of the corpus ("The mother tongue of Danielle Darrieux is French."): text
         # that can stand before a request the way a conversation or a document would
-        self.statements = [f"{r.prompt} {r.ground_truth[0]}." for r in self.records if r.ground_truth]
+        self.statements = [_true_statement(r) for r in self.records if r.ground_truth]
         rng = random.Random(seed)
         groups = list(self.templates)
         self.items: list[CorpusItem] = []
@@ -122,11 +127,11 @@ class Corpus:
             by_group.setdefault(it.group, []).append(it)
         pairs: list[tuple[str, str]] = []
         for r, it in zip(self.records, self.items):
-            others = [o for o in by_group[it.group] if o.subject != it.subject]
             if len(pairs) >= k:
                 break
+            others = [o for o in by_group[it.group] if o.subject != it.subject]
             if r.ground_truth and others:
-                pairs.append((f"{r.prompt} {r.ground_truth[0]}.", rng.choice(others).request))
+                pairs.append((_true_statement(r), rng.choice(others).request))
         return pairs
 
     def other_subject_prompts(self, template: str, subject: str, k: int, rng: random.Random) -> list[str]:
