@@ -48,17 +48,18 @@ def run(ctx: Context) -> PartResult:
         res.data["summary"] = "pytest missing"
         return res
     ctx.out.mkdir(parents=True, exist_ok=True)
-    # the counts are read from a JUnit file kept out of the results (a dump; tests.json holds the counts)
-    junit = Path(tempfile.mkdtemp()) / "tests_junit.xml"
     files = SMOKE_TESTS if ctx.smoke else KERNEL_TESTS
     env = dict(os.environ, ALOE_TEST_DEVICE="cuda" if ctx.cuda else "cpu")
     if not ctx.cuda:
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}", *files]
-    rc, text, _ = run_process(cmd, env, TIMEOUT_S)
+    # the counts are read from a JUnit file kept out of the results (a dump; tests.json holds the counts)
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "tests_junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}", *files]
+        rc, text, _ = run_process(cmd, env, TIMEOUT_S)
+        counts = _counts(str(junit)) if junit.is_file() else {}
     (ctx.out / "tests_output.txt").write_text(" ".join(cmd) + "\n" + text)
     res.files.append(str(ctx.out / "tests_output.txt"))
-    counts = _counts(str(junit)) if junit.is_file() else {}
     res.data.update(rc=rc, counts=counts, device=env["ALOE_TEST_DEVICE"], files=list(files))
     for line in text.strip().splitlines()[-12:]:
         res.log(line)
