@@ -237,16 +237,6 @@ class ExperimentalConfig:
             "so that a slot stays shut on other subjects' facts asked in new words."
         ),
     )
-    negatives_distracting: int = _at(
-        3,
-        0,
-        (
-            "Shared negatives of every slot: this many corpus statements, each followed by a same-relation "
-            "request about another subject (plainly, and with chat positives as a second user turn), at the "
-            "positions after the statement, so that no gate opens on a question asked after a fact is stated."
-        ),
-        before=0,
-    )
     positives_same_relation: int = _at(
         3,
         0,
@@ -356,6 +346,17 @@ class BuildConfig:
             "Generic questions about corpus subjects in the shared pool with their continuations, so that a "
             "slot stays shut on unrelated questions and their answers."
         ),
+    )
+    negatives_distracting: int = _at(
+        3,
+        300,
+        (
+            "Shared negatives of every slot: this many corpus statements, each followed by a same-relation "
+            "request about another subject (plainly, and with chat positives as a second user turn), at the "
+            "positions after the statement, so that no gate opens on a question asked after another fact "
+            "is stated. Computed once per model, layer and corpus and cached with the shared pool."
+        ),
+        before=0,
     )
     negatives_dtype: str = _at(
         3,

@@ -19,6 +19,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             "negative_pool_records": 100,
             "negatives_chat_pool": 100,
             "negatives_chat_questions": 100,
+            "negatives_distracting": 100,
             "negatives_chat_systems": 8,
         },
     ),

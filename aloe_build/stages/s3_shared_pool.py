@@ -103,7 +103,7 @@ def shared_negatives(
         )
     if cfg.chat.positives_chat and cfg.chat.negatives_chat_pool > 0:
         pool = torch.cat([pool, shared_chat_negatives(model, tokenizer, layer, path, corpus, cfg)])
-    if cfg.experimental.negatives_distracting > 0:
+    if cfg.negatives_distracting > 0:
         pool = torch.cat([pool, distracting_negatives(model, tokenizer, layer, path, corpus, cfg)])
     return pool
 
@@ -113,7 +113,7 @@ def distracting_negatives(model, tokenizer, layer: int, path: Path, corpus: Corp
     (:meth:`Corpus.distracting_pairs`), plainly and, with chat positives, as a second user turn, with
     the unedited model's continuations: states from the first position past the statement. A gate
     that opens there is one the statement before the question opened."""
-    pairs = corpus.distracting_pairs(cfg.experimental.negatives_distracting, random.Random(f"{cfg.seed}\x00distracting"))
+    pairs = corpus.distracting_pairs(cfg.negatives_distracting, random.Random(f"{cfg.seed}\x00distracting"))
     forms = (False, True) if cfg.chat.positives_chat else (False,)
 
     def compute() -> torch.Tensor:

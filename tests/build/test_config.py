@@ -99,7 +99,9 @@ def test_checkpoint_keys_are_those_written_before_the_groups(name):
     from aloe_build.checkpoints import StageCheckpoints
 
     # settings added since, at the values that build as builds did then (chat positives were off by default)
-    then = {"positives_chat_generic_systems": 0, **({"positives_chat": False} if name == "default" else {})}
+    then = {"positives_chat_generic_systems": 0, "negatives_distracting": 0}
+    if name == "default":
+        then["positives_chat"] = False
     cfg = BuildConfig.preset(name, **then)
     ckpt = StageCheckpoints(None, "base", cfg)
     got = {stage: ckpt.key(stage) for stage in KEYS_BEFORE_GROUPS[name] if stage[0].isdigit()}

@@ -52,6 +52,7 @@ def _tiny_cfg(tmp_path, **kw):
         encoder_cache=str(tmp_path / "enc"),
         negative_pool_records=10,
         negatives_questions=6,
+        negatives_distracting=0,
         refine_steps=30,
         refine_remine_every=10,
         target_steps=5,

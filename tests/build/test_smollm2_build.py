@@ -28,6 +28,7 @@ def test_smollm2_small_build_edits_take(tmp_path, smollm2_encoder_cache):
         negative_pool_records=100,
         negatives_paraphrases=100,
         negatives_questions=100,
+        negatives_distracting=100,
         refine_steps=300,
         finetune_steps=10,
         finetune_batch=6,
