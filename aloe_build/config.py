@@ -412,7 +412,8 @@ class BuildConfig:
         1.0,
         (
             "Where, from the worst negative (0) to the worst anchor (1), a separable slot's gate reaches "
-            "open_gate; lower values trade locality for generalization."
+            "open_gate; lower values trade locality for generalization, and for chat efficacy after a system "
+            "prompt the build never saw (docs/experiments.md)."
         ),
     )
     inseparable_temperature: float = _at(5, 8.0, "Initial alpha of inseparable slots, per unit |v|.")
