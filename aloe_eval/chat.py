@@ -23,7 +23,7 @@ from typing import Any, Collection, Sequence
 
 import torch
 
-from aloe_build.forward import greedy_generate
+from aloe_build.forward import Tick, greedy_generate, progress_bar
 from aloe_build.states import collect_states
 from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id, stop_ids, until_end
 
@@ -35,6 +35,8 @@ from .plan import statement
 CHAT_TOKENS = 32
 #: Bump when what a saved answer list holds changes, so that older files are generated again.
 ANSWERS_FORMAT = 1
+#: Batches per saved block of a long answer list (what an interrupted evaluation can lose).
+ANSWER_BLOCK_BATCHES = 8
 CUSTOM_SYSTEM = "You are a helpful assistant. Answer the question directly."
 SYSTEMS = {"default_system": None, "custom_system": CUSTOM_SYSTEM}
 #: Directory under ALOE's cache root where ``aloe eval --chat`` keeps the unedited model's answers.
@@ -51,14 +53,72 @@ def chat_answers(
     batch_size: int = 32,
     progress: bool = False,
     desc: str = "chat answers",
+    tick: Tick | None = None,
 ) -> list[list[int]]:
     """Greedy answers (token ids, cut after the end of turn) of ``questions`` asked as the user
     turn of the model's chat template (a sequence of texts: consecutive user turns), after
-    ``system`` (None: the template's default)."""
+    ``system`` (None: the template's default). ``tick(k)`` is called after each batch of ``k``."""
     prompts = [chat_prompt(tokenizer, q, system) for q in questions]
     stops = stop_ids(tokenizer)
-    gens = greedy_generate(model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size, progress=progress, desc=desc)
+    gens = greedy_generate(
+        model, prompts, tokens, pad_id=pad_id(tokenizer), batch_size=batch_size, progress=progress, desc=desc, tick=tick
+    )
     return [until_end(g, stops) for g in gens]
+
+
+def saved_chat_answers(
+    model,
+    tokenizer,
+    questions: Sequence[str | Sequence[str]],
+    system: str | None,
+    *,
+    store: ChunkStore,
+    file: str,
+    key: str,
+    tokens: int = CHAT_TOKENS,
+    batch_size: int = 32,
+    progress: bool = False,
+    desc: str = "chat answers",
+) -> list[list[int]]:
+    """:func:`chat_answers`, read from ``store`` (``file`` under ``key``) when saved there, else
+    generated and saved; a long list is saved every :data:`ANSWER_BLOCK_BATCHES` batches as well, so
+    that an interrupted run loses at most one block.
+
+    The blocks take the questions in the order :func:`greedy_generate` batches them (shortest prompt
+    first) and hold whole batches, so every batch, and so every answer, is the one a single call
+    gives: answers saved before blocks existed stay valid under the same key."""
+    saved = store.read(file, key)
+    if saved is not None:
+        return saved["answers"]
+    lengths = [len(chat_prompt(tokenizer, q, system)) for q in questions]
+    order = sorted(range(len(questions)), key=lambda i: (lengths[i], i))
+    step = batch_size * ANSWER_BLOCK_BATCHES
+    got: list[list[int]] = [[] for _ in questions]
+    names = []
+    bar = progress_bar(len(questions), desc, progress)
+    try:
+        for lo in range(0, len(order), step):
+            block = order[lo : lo + step]
+            name, block_key = f"{file}-block{lo // step:05d}", content_key([key, lo, step])
+            names.append(name)
+            part = store.read(name, block_key)
+            if part is None:
+                asked = [questions[i] for i in block]
+                answers = chat_answers(
+                    model, tokenizer, asked, system, tokens=tokens, batch_size=batch_size, desc=desc, tick=bar.update
+                )
+                part = {"answers": answers}
+                store.write(name, block_key, part)
+            else:
+                bar.update(len(block))
+            for i, answer in zip(block, part["answers"]):
+                got[i] = answer
+    finally:
+        bar.close()
+    store.write(file, key, {"answers": got})
+    for name in names:
+        store.remove(name)
+    return got
 
 
 def own_gates(
@@ -155,7 +215,8 @@ def chat_evaluation(
 ) -> dict[str, Any]:
     """Score ``editor`` on ``requests`` in chat form, once per system prompt (see the module doc).
 
-    With ``parts`` each list of answers is saved there as soon as it is generated, keyed by
+    With ``parts`` each list of answers is saved there as it is generated (in blocks,
+    :func:`saved_chat_answers`), keyed by
     ``model_context`` (what identifies the model), ``context`` (what identifies the editor: an
     operator's fingerprint), the system prompt, the questions and ``tokens``; an interrupted
     evaluation reads them back instead of generating them again. The unedited model's answers do not
@@ -175,22 +236,10 @@ def chat_evaluation(
             # an edited list has one file per evaluation; an unedited one, one per key (the store may be shared)
             file = f"chat-{content_key([name, desc])}" if edited else f"chat-unedited-{key}"
             store = parts if edited or unedited_parts is None else unedited_parts
-            saved = store.read(file, key) if store is not None else None
-            if saved is not None:
-                return saved["answers"]
-            got = chat_answers(
-                model,
-                tokenizer,
-                questions,
-                system,
-                tokens=tokens,
-                batch_size=batch_size,
-                progress=progress,
-                desc=f"chat ({name}): {desc}",
-            )
-            if store is not None:
-                store.write(file, key, {"answers": got})
-            return got
+            run = dict(tokens=tokens, batch_size=batch_size, progress=progress, desc=f"chat ({name}): {desc}")
+            if store is None:
+                return chat_answers(model, tokenizer, questions, system, **run)
+            return saved_chat_answers(model, tokenizer, questions, system, store=store, file=file, key=key, **run)
 
         base_ask = answers("unedited requests", edited=False)
         base_loc = answers("unedited locality", locs, edited=False)

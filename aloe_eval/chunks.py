@@ -86,6 +86,10 @@ class ChunkStore:
         text = json.dumps(jsonable({**payload, "key": key}), ensure_ascii=False)
         write_atomically(self._file(name), lambda tmp: tmp.write_bytes(gzip.compress(text.encode("utf-8"))))
 
+    def remove(self, name: str) -> None:
+        """Delete the file saved as ``name``, if any."""
+        self._file(name).unlink(missing_ok=True)
+
     def get(self, k: int, key: str) -> dict[str, EditorResult] | None:
         data = self.read(f"chunk-{k:05d}", key)
         if data is None:

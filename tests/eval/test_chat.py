@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aloe_build.data import EditRequest
-from aloe_build.tokens import chat_answer, chat_prompt
+from aloe_build.tokens import chat_answer, chat_prompt, stop_ids
 from aloe_eval import Editor
 from aloe_eval.chat import CHAT_TOKENS, chat_evaluation
 from aloe_eval.metrics import contains_target, starts_with_target
@@ -304,3 +304,50 @@ def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatc
     assert calls == [f"chat (default_system): edited {x}" for x in ("requests", "locality", "distracted locality")]
     monkeypatch.setattr(chat, "chat_answers", real)
     assert got == chat_evaluation(model, tok, reqs, ForceToken(7), batch_size=2, progress=False, systems={"default_system": None})
+
+
+def test_a_long_answer_list_is_saved_in_blocks_and_resumes_within_the_list(tmp_path, monkeypatch):
+    """Questions of ragged lengths in blocks of one batch of 2: the answers are each question's own
+    one-at-a-time answer, a run stopped at its third block keeps two blocks, the rerun generates
+    only the rest, and once the list is whole only its one file remains."""
+    import aloe_eval.chat as chat
+    from aloe_eval.chunks import ChunkStore
+
+    model, tok = _setup()
+    questions = [
+        "The capital of France is",
+        "John Lennon plays the",
+        "The Eiffel Tower is located in the city of",
+        "Water is",
+        "The largest planet of the solar system, after the Sun, is called",
+        "Paris is in",
+        "Berlin",
+    ]
+    monkeypatch.setattr(chat, "ANSWER_BLOCK_BATCHES", 1)
+    real, calls = chat.chat_answers, []
+
+    def stops_at_third(*args, **kwargs):
+        calls.append(len(args[2]))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    store = ChunkStore(tmp_path / "parts")
+    run = dict(store=store, file="chat-x", key="k", batch_size=2)
+    monkeypatch.setattr(chat, "chat_answers", stops_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        chat.saved_chat_answers(model, tok, questions, None, **run)
+    assert len(list((tmp_path / "parts").glob("chat-x-block*.json.gz"))) == 2
+
+    calls.clear()
+    monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    got = chat.saved_chat_answers(model, tok, questions, None, **run)
+    assert calls == [2, 1]  # the third block of two questions and the last of one
+    stops = set(stop_ids(tok))
+    for q, answer in zip(questions, got):
+        alone = _answer(model, tok, q, None)
+        cut = next((k + 1 for k, t in enumerate(alone) if t in stops), len(alone))
+        assert answer == alone[:cut], q
+    assert [f.name for f in (tmp_path / "parts").iterdir()] == ["chat-x.json.gz"]
+    calls.clear()
+    assert chat.saved_chat_answers(model, tok, questions, None, **run) == got and calls == []
