@@ -291,9 +291,10 @@ def _add_baseline_args(p: argparse.ArgumentParser) -> None:
         action="append",
         choices=["grace", "unedited", *WEIGHT_EDITORS],
         default=None,
-        help="also score this baseline on the same model and stream (repeatable): GRACE on the same layer; "
-        "ROME, MEMIT or AlphaEdit, the weight editors, on their own early layers (their target values are "
-        "cached under $ALOE_CACHE/weight-edits, so a rerun resumes); the unedited model is always scored "
+        help="also score this baseline on the same model and stream (repeatable): GRACE on the same layer (its "
+        "values saved under $ALOE_CACHE/grace after each batch); ROME, MEMIT or AlphaEdit, the weight editors, on "
+        "their own early layers (their target values cached under $ALOE_CACHE/weight-edits): a rerun resumes "
+        "either; the unedited model is always scored "
         "unless --no-unedited",
     )
     p.add_argument("--no-unedited", action="store_true", help="do not score the unedited model as a baseline")

@@ -325,11 +325,20 @@ def fit_baseline(
     if key in ("unedited", "none", "base"):
         return UneditedEditor(layer)
     if key == "grace":
-        from .baselines.grace import GraceConfig, fit_grace
+        from aloe_build.models import cache_root
+
+        from .baselines.grace import GRACE_CACHE, GraceConfig, fit_grace
 
         cfg = grace_config or GraceConfig()
         editor: Editor = fit_grace(
-            model, tokenizer, list(requests), layer, cfg, batch_size=min(batch_size, 16), progress=progress
+            model,
+            tokenizer,
+            list(requests),
+            layer,
+            cfg,
+            batch_size=min(batch_size, 16),
+            progress=progress,
+            checkpoint_dir=cache_root() / GRACE_CACHE,
         )
     elif key in WEIGHT_EDITORS:
         from .baselines.weight_editors import fit_weight_editor

@@ -66,3 +66,16 @@ def operator_near_its_floors(seed: int, T: int = 96, d: int = 256, d_out: int = 
         gate_eps=gate_eps,
     )
     return h, op
+
+
+def stopping_at(call: int, real, calls: list):
+    """``real``, each call recorded in ``calls`` (its positional arguments), raising KeyboardInterrupt at the
+    ``call``-th call instead: how a test interrupts a long run at a known point."""
+
+    def stub(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return stub

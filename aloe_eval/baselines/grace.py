@@ -49,8 +49,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import math
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -66,6 +69,10 @@ from ..editors import Editor
 __all__ = ["GraceConfig", "GraceDownProj", "GraceEditor", "fit_grace"]
 
 NAME = "GRACE (reimplementation)"
+#: Bump when what a batch of value training computes changes (it keys the saved fits).
+FIT_FORMAT = 1
+#: Directory under ALOE's cache root where ``aloe eval --baseline grace`` saves its fits as they go.
+GRACE_CACHE = "grace"
 
 
 @dataclasses.dataclass
@@ -281,8 +288,14 @@ def fit_grace(
     *,
     batch_size: int = 16,
     progress: bool = True,
+    checkpoint_dir: Path | None = None,
 ) -> GraceEditor:
-    """Fit a GRACE codebook for ``requests`` at ``layer`` of ``model`` (left unpatched on return)."""
+    """Fit a GRACE codebook for ``requests`` at ``layer`` of ``model`` (left unpatched on return).
+
+    With ``checkpoint_dir`` the values are saved there after each batch of edits, under a key of the
+    model's weight, the layer, the requests, ``config`` and ``batch_size``: an interrupted fit resumes
+    at the first batch not yet trained, and a finished one is read back instead of trained again
+    (the info's ``resumed_batches`` says how many batches were read)."""
     cfg = config or GraceConfig()
     t0 = time.perf_counter()
     site = locate_down_proj(model, layer)
@@ -292,30 +305,26 @@ def fit_grace(
     keys = _down_proj_inputs(model, tokenizer, [p for p, _ in enc], layer, batch_size, progress)
     K, eps, slots, ent_labels, stats = _codebook(keys, labels, cfg)
     m = K.shape[0]
-    gen = torch.Generator().manual_seed(cfg.seed)
     device = model_device(model)
-    if cfg.value_init == "cold":
-        values = torch.rand(m, site.d_out, generator=gen)
-    elif cfg.value_init == "warm":
-        with torch.no_grad():
-            values = site.module(K.to(device, site.weight().dtype)).float().cpu()
-    else:
-        raise ValueError(f"value_init must be 'cold' or 'warm', got {cfg.value_init!r}")
-    values = values.to(device)
+    values = _initial_values(site, K, cfg, device)
 
     # --- train the values, a batch of edits at a time -------------------------------------------
+    saves = _FitCheckpoint(checkpoint_dir, site.weight(), requests, layer, cfg, batch_size)
     wrapper = GraceDownProj(site.module, K.to(device), eps.to(device), values)
     setattr(site.parent, site.attr, wrapper)
     pad_id = tokenizer_pad_id(tokenizer)
     iters_used: list[int] = []
     final_nll: list[float] = []
     order = list(range(len(requests)))
+    resumed = saves.restore(wrapper.values, iters_used, final_nll)
     bar = progress_bar(len(order), "GRACE: values", progress)
     try:
-        for batch in batches(order, batch_size):
-            it, nll = _train_batch(model, wrapper, [enc[i] for i in batch], [slots[i] for i in batch], cfg, pad_id, device)
-            iters_used.append(it)
-            final_nll.extend(nll)
+        for k, batch in enumerate(batches(order, batch_size)):
+            if k >= resumed:
+                it, nll = _train_batch(model, wrapper, [enc[i] for i in batch], [slots[i] for i in batch], cfg, pad_id, device)
+                iters_used.append(it)
+                final_nll.extend(nll)
+                saves.save(wrapper.values, iters_used, final_nll)
             bar.update(len(batch))
     finally:
         bar.close()
@@ -344,8 +353,63 @@ def fit_grace(
         },
         "train_final_nll": {"mean": sum(final_nll) / max(1, len(final_nll)), "max": max(final_nll, default=0.0)},
         "fit_s": time.perf_counter() - t0,
+        "resumed_batches": resumed,
     }
     return GraceEditor(layer, K, eps, values, slots, ids, ent_labels, info)
+
+
+class _FitCheckpoint:
+    """The values after each trained batch and the training record so far, in one safetensors file
+    of ``root`` named by what the fit depends on (``root`` None: nothing is saved or read)."""
+
+    def __init__(
+        self, root: Path | None, weight: torch.Tensor, requests: Sequence[Any], layer: int, cfg: GraceConfig, batch_size: int
+    ):
+        from aloe_build.checkpoints import run_key
+        from aloe_kernels import weight_fingerprint
+
+        fingerprint = weight_fingerprint(weight)
+        settings = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+        key = f"{run_key(requests, fingerprint, layer)}-{FIT_FORMAT}-{batch_size}-{settings}"
+        self.file = (
+            None
+            if root is None
+            else Path(root) / f"grace-layer{layer}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+        )
+
+    def restore(self, values: torch.Tensor, iters_used: list[int], final_nll: list[float]) -> int:
+        """Load the saved values into ``values`` and the record into the lists; the batches done."""
+        if self.file is None or not self.file.is_file():
+            return 0
+        from safetensors import safe_open
+
+        with safe_open(str(self.file), "pt") as f:
+            meta = f.metadata()
+            values.data.copy_(f.get_tensor("values"))
+        iters_used.extend(json.loads(meta["iters"]))
+        final_nll.extend(json.loads(meta["nll"]))
+        return len(iters_used)
+
+    def save(self, values: torch.Tensor, iters_used: list[int], final_nll: list[float]) -> None:
+        if self.file is None:
+            return
+        from aloe_build.checkpoints import save_tensors_atomically
+
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"iters": json.dumps(iters_used), "nll": json.dumps(final_nll)}
+        save_tensors_atomically({"values": values.detach().cpu().contiguous()}, self.file, metadata=meta)
+
+
+def _initial_values(site, K: torch.Tensor, cfg: GraceConfig, device) -> torch.Tensor:
+    """The entries' values before training: "cold" (uniform [0, 1), seeded) or "warm" (the layer's output at each key)."""
+    if cfg.value_init == "cold":
+        values = torch.rand(K.shape[0], site.d_out, generator=torch.Generator().manual_seed(cfg.seed))
+    elif cfg.value_init == "warm":
+        with torch.no_grad():
+            values = site.module(K.to(device, site.weight().dtype)).float().cpu()
+    else:
+        raise ValueError(f"value_init must be 'cold' or 'warm', got {cfg.value_init!r}")
+    return values.to(device)
 
 
 def _layout(enc, pad_id: int, device, model):

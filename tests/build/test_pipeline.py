@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import stopping_at
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 from aloe_build.config import BuildConfig
@@ -159,15 +160,7 @@ def test_a_stage_resumed_inside_says_so_in_the_report(tmp_path, monkeypatch):
     cfg = _tiny_cfg(tmp_path, target_batch=1)
     import aloe_build.stages.s6_targets as writes
 
-    whole, calls = writes._target_batch, []
-
-    def stop_at_second(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return whole(*a, **k)
-
-    monkeypatch.setattr(writes, "_target_batch", stop_at_second)
+    monkeypatch.setattr(writes, "_target_batch", stopping_at(2, writes._target_batch, []))
     with pytest.raises(KeyboardInterrupt):
         build_operator(model, tok, _edits(), cfg, out_dir=tmp_path / "run", log=None)
     monkeypatch.undo()

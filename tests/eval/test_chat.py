@@ -10,6 +10,7 @@ from aloe_build.tokens import chat_answer, chat_prompt, stop_ids
 from aloe_eval import Editor
 from aloe_eval.chat import CHAT_TOKENS, chat_evaluation
 from aloe_eval.metrics import contains_target, starts_with_target
+from tests.helpers import stopping_at
 from tests.tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 
@@ -325,24 +326,17 @@ def test_a_long_answer_list_is_saved_in_blocks_and_resumes_within_the_list(tmp_p
     ]
     monkeypatch.setattr(chat, "ANSWER_BLOCK_BATCHES", 1)
     real, calls = chat.chat_answers, []
-
-    def stops_at_third(*args, **kwargs):
-        calls.append(len(args[2]))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
     store = ChunkStore(tmp_path / "parts")
     run = dict(store=store, file="chat-x", key="k", batch_size=2)
-    monkeypatch.setattr(chat, "chat_answers", stops_at_third)
+    monkeypatch.setattr(chat, "chat_answers", stopping_at(3, real, calls))
     with pytest.raises(KeyboardInterrupt):
         chat.saved_chat_answers(model, tok, questions, None, **run)
     assert len(list((tmp_path / "parts").glob("chat-x-block*.json.gz"))) == 2
 
     calls.clear()
-    monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    monkeypatch.setattr(chat, "chat_answers", stopping_at(0, real, calls))
     got = chat.saved_chat_answers(model, tok, questions, None, **run)
-    assert calls == [2, 1]  # the third block of two questions and the last of one
+    assert [len(args[2]) for args in calls] == [2, 1]  # the third block of two questions and the last of one
     stops = set(stop_ids(tok))
     for q, answer in zip(questions, got):
         alone = _answer(model, tok, q, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from eval_helpers import LAYER, tiny_requests
+from helpers import stopping_at
 from tiny_models import tiny_model, tiny_tokenizer
 
 from aloe_eval import evaluate
@@ -50,3 +51,32 @@ def test_grace_codebook_rules():
     assert slots[2:] == [1, 2] and K.shape[0] == 3
     assert eps[1] == pytest.approx(0.4 - 1e-5, abs=1e-6) and eps[2] == pytest.approx(0.4)
     assert stats["conflict_splits"] == 1
+
+
+def test_an_interrupted_grace_fit_resumes_at_its_first_untrained_batch(tiny, tmp_path, monkeypatch):
+    """Fitted one edit per batch with a checkpoint directory: a fit stopped in its second batch keeps
+    the first, the rerun trains only the rest and ends with the values of a fit never stopped, and a
+    third fit trains nothing; another config is trained from scratch."""
+    import aloe_eval.baselines.grace as grace
+
+    model, tok = tiny
+    reqs = tiny_requests()
+    assert len(reqs) >= 2
+    cfg = GraceConfig(n_iter=30)
+    whole = fit_grace(model, tok, reqs, LAYER, cfg, batch_size=1, progress=False)
+
+    real, calls = grace._train_batch, []
+    monkeypatch.setattr(grace, "_train_batch", stopping_at(2, real, calls))
+    with pytest.raises(KeyboardInterrupt):
+        fit_grace(model, tok, reqs, LAYER, cfg, batch_size=1, progress=False, checkpoint_dir=tmp_path)
+    monkeypatch.setattr(grace, "_train_batch", stopping_at(0, real, calls))
+    calls.clear()
+    resumed = fit_grace(model, tok, reqs, LAYER, cfg, batch_size=1, progress=False, checkpoint_dir=tmp_path)
+    assert len(calls) == len(reqs) - 1 and resumed.info()["resumed_batches"] == 1
+    assert torch.equal(resumed.values, whole.values) and torch.equal(resumed.keys, whole.keys)
+    assert resumed.info()["train_final_nll"] == whole.info()["train_final_nll"]
+    calls.clear()
+    again = fit_grace(model, tok, reqs, LAYER, cfg, batch_size=1, progress=False, checkpoint_dir=tmp_path)
+    assert calls == [] and torch.equal(again.values, whole.values)
+    fit_grace(model, tok, reqs, LAYER, GraceConfig(n_iter=20), batch_size=1, progress=False, checkpoint_dir=tmp_path)
+    assert len(calls) == len(reqs)
