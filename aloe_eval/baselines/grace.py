@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 import time
@@ -64,6 +63,7 @@ from aloe_build.tokens import encode_continuation, left_pad
 from aloe_build.tokens import pad_id as tokenizer_pad_id
 from aloe_kernels.hf import locate_down_proj
 
+from ..chunks import content_key
 from ..editors import Editor
 
 __all__ = ["GraceConfig", "GraceDownProj", "GraceEditor", "fit_grace"]
@@ -368,14 +368,8 @@ class _FitCheckpoint:
         from aloe_build.checkpoints import run_key
         from aloe_kernels import weight_fingerprint
 
-        fingerprint = weight_fingerprint(weight)
-        settings = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
-        key = f"{run_key(requests, fingerprint, layer)}-{FIT_FORMAT}-{batch_size}-{settings}"
-        self.file = (
-            None
-            if root is None
-            else Path(root) / f"grace-layer{layer}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
-        )
+        key = content_key([run_key(requests, weight_fingerprint(weight), layer), FIT_FORMAT, batch_size, dataclasses.asdict(cfg)])
+        self.file = None if root is None else Path(root) / f"grace-layer{layer}-{key}.safetensors"
 
     def restore(self, values: torch.Tensor, iters_used: list[int], final_nll: list[float]) -> int:
         """Load the saved values into ``values`` and the record into the lists; the batches done."""
