@@ -225,6 +225,7 @@ def _chat(model, tokenizer, requests, editor: Editor, layer: int, args: argparse
         "device": param.device.type,
         "template": chat_template_key(tokenizer),
     }
+    saved = True
     if isinstance(editor, AloeEditor):
         context = {
             "operator": editor.op.fingerprint(),
@@ -234,7 +235,9 @@ def _chat(model, tokenizer, requests, editor: Editor, layer: int, args: argparse
         stem = "chat"
     else:
         kind = str(editor.info().get("kind", editor.name)).lower()
-        context = {"editor": editor.name, "info": json.dumps(editor.info(), sort_keys=True, default=str)}
+        # keyed by the fitted state, not the info, which holds this run's fitting time
+        context = {"editor": editor.name, "state": editor.state_key()}
+        saved = context["state"] is not None
         stem = f"chat_{kind}"
     result = chat_evaluation(
         model,
@@ -244,7 +247,7 @@ def _chat(model, tokenizer, requests, editor: Editor, layer: int, args: argparse
         batch_size=args.batch_size,
         progress=not args.quiet,
         systems=systems,
-        parts=ChunkStore(out / PARTS_DIR),
+        parts=ChunkStore(out / PARTS_DIR) if saved else None,
         context=context,
         model_context=model_context,
         unedited_parts=ChunkStore(cache_root() / CHAT_ANSWERS_CACHE),

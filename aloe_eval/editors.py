@@ -55,6 +55,11 @@ class Editor:
     def info(self) -> dict[str, Any]:
         return {}
 
+    def state_key(self) -> str | None:
+        """What the edited model's answers depend on besides the model (its fitted tensors, never its
+        timings): saved answers are read back under it. None: the editor cannot say, nothing is reused."""
+        return None
+
 
 class UneditedEditor(Editor):
     """The model as it is: its numbers are the unedited baseline."""
@@ -69,6 +74,9 @@ class UneditedEditor(Editor):
 
     def detach(self, model: nn.Module) -> None:
         pass
+
+    def state_key(self) -> str:
+        return "unedited"
 
 
 class AloeEditor(Editor):

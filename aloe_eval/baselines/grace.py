@@ -61,6 +61,7 @@ from torch import nn
 from aloe_build.forward import batches, model_device, progress_bar
 from aloe_build.tokens import encode_continuation, left_pad
 from aloe_build.tokens import pad_id as tokenizer_pad_id
+from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 
 from ..chunks import content_key
@@ -204,6 +205,10 @@ class GraceEditor(Editor):
 
     def info(self) -> dict[str, Any]:
         return dict(self._info)
+
+    def state_key(self) -> str:
+        # the patched layer answers from its keys, radii and values alone
+        return content_key([NAME, self.layer, *(weight_fingerprint(t) for t in (self.keys, self.eps, self.values))])
 
 
 def _down_proj_inputs(
@@ -366,7 +371,6 @@ class _FitCheckpoint:
         self, root: Path | None, weight: torch.Tensor, requests: Sequence[Any], layer: int, cfg: GraceConfig, batch_size: int
     ):
         from aloe_build.checkpoints import run_key
-        from aloe_kernels import weight_fingerprint
 
         key = content_key([run_key(requests, weight_fingerprint(weight), layer), FIT_FORMAT, batch_size, dataclasses.asdict(cfg)])
         self.file = None if root is None else Path(root) / f"grace-layer{layer}-{key}.safetensors"

@@ -8,8 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 
+from ..chunks import content_key
 from ..editors import Editor
 
 
@@ -48,6 +50,9 @@ class WeightDeltaEditor(Editor):
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind, "layers": sorted(self.deltas), **self._info}
+
+    def state_key(self) -> str:
+        return content_key([self.kind, [[layer, weight_fingerprint(d)] for layer, d in sorted(self.deltas.items())]])
 
 
 def zero_deltas(model: nn.Module, layers) -> dict[int, torch.Tensor]:

@@ -9,9 +9,12 @@ import pytest
 from eval_helpers import LAYER, gate_operator, tiny_requests
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
+import aloe_cli.eval as cli_eval
+import aloe_eval.chat as chat_module
 from aloe_build.data import save_edits_jsonl
 from aloe_cli import main
 from aloe_kernels import AloeOperator
+from tests.helpers import stopping_at
 
 
 @pytest.fixture(scope="module")
@@ -199,10 +202,19 @@ def test_cli_eval_asks_a_baseline_in_chat_without_an_operator(tiny, tmp_path, ca
     assert main(base + ["--chat", "only", "--out", str(tmp_path / "none")]) == 2
     assert "--chat needs --operator or a --baseline" in capsys.readouterr().err
     out = tmp_path / "grace"
-    assert main(base + ["--baseline", "grace", "--chat", "also", "--out", str(out)]) == 0
+    # stopped after the chat answers, while the stream is scored
+    monkeypatch.setattr(cli_eval, "evaluate", stopping_at(1, cli_eval.evaluate, []))
+    assert main(base + ["--baseline", "grace", "--chat", "also", "--out", str(out)]) == 130
+    monkeypatch.undo()
+    monkeypatch.setenv("ALOE_CACHE", str(tmp_path / "cache"))
     chat = json.loads((out / "chat_grace.json").read_text())
     assert chat["meta"]["editor"] == "GRACE (reimplementation)"
     assert 0.0 <= chat["default_system"]["efficacy"] <= 1.0 and not (out / "chat.json").exists()
+    # the rerun fits GRACE again (reading its saved fit) in another time, and reads every answer back
+    monkeypatch.setattr(chat_module, "chat_answers", lambda *a, **k: pytest.fail(f"generated again: {k['desc']}"))
+    assert main(base + ["--baseline", "grace", "--chat", "also", "--out", str(out)]) == 0
+    again = json.loads((out / "chat_grace.json").read_text())
+    assert {k: v for k, v in again.items() if k != "meta"} == {k: v for k, v in chat.items() if k != "meta"}
     report = json.loads((out / "eval_report.json").read_text())
     # the editor asked in chat is the one scored on the stream: fitted once, its fitting time recorded
     grace = report["editors"]["GRACE (reimplementation)"]

@@ -116,6 +116,16 @@ def test_spread_over_layers_writes_the_target_at_the_last_layer(layers):
         assert all(float(editor.deltas[la].norm()) > 0 for la in layers)
 
 
+def test_a_weight_editors_state_key_follows_its_deltas_not_its_timings():
+    g = torch.Generator().manual_seed(3)
+    deltas = {1: torch.randn(7, 5, generator=g), 2: torch.randn(7, 5, generator=g)}
+    first = WeightDeltaEditor("MEMIT", "memit", deltas, {"fit_s": 1.5})
+    assert first.state_key() == WeightDeltaEditor("MEMIT", "memit", dict(deltas), {"fit_s": 9.0}).state_key()
+    moved = {1: deltas[1], 2: deltas[2].clone().index_put_((torch.tensor([0]), torch.tensor([0])), torch.tensor(1e3))}
+    assert first.state_key() != WeightDeltaEditor("MEMIT", "memit", moved, {"fit_s": 1.5}).state_key()
+    assert first.state_key() != WeightDeltaEditor("AlphaEdit", "alphaedit", deltas, {"fit_s": 1.5}).state_key()
+
+
 def test_locatable_sets_aside_requests_whose_subject_merges_with_the_text():
     tok = tiny_tokenizer()
     bad = EditRequest(prompt="The capital of Italy is", target_new="Paris", subject="France")
