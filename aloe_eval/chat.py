@@ -233,8 +233,9 @@ def chat_evaluation(
 
         def answers(desc: str, questions=asks, edited: bool = True) -> list[list[int]]:
             key = content_key([ANSWERS_FORMAT, model_context, context if edited else None, desc, system, tokens, list(questions)])
-            # an edited list has one file per evaluation; an unedited one, one per key (the store may be shared)
-            file = f"chat-{content_key([name, desc])}" if edited else f"chat-unedited-{key}"
+            # an edited list has one file per editor of the evaluation (a changed editor replaces it);
+            # an unedited one, one per key (the store may be shared)
+            file = f"chat-{content_key([name, desc, editor.name])}" if edited else f"chat-unedited-{key}"
             store = parts if edited or unedited_parts is None else unedited_parts
             run = dict(tokens=tokens, batch_size=batch_size, progress=progress, desc=f"chat ({name}): {desc}")
             if store is None:

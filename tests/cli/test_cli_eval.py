@@ -193,6 +193,41 @@ def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path,
     assert {k: v for k, v in again.items() if k != "meta"} == {k: v for k, v in d.items() if k != "meta"}
 
 
+def test_cli_eval_stopped_in_graces_chat_answers_keeps_the_operators(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALOE_CACHE", str(tmp_path / "cache"))
+    model_dir, edits, op_dir = _saved(tiny, tmp_path)
+    _give_chat_template(model_dir)
+    base = ["eval", "--model", str(model_dir), "--operator", str(op_dir), "--edits", str(edits), "--limit", "2"]
+    base += ["--baseline", "grace", "--grace-iters", "5", "--chat", "also", "--no-plots", "--quiet", "--batch-size", "4"]
+    calls: list = []
+    real_chat, real_answers = cli_eval._chat, chat_module.chat_answers
+    # each editor's chat evaluation is marked in the record of answer lists generated
+    monkeypatch.setattr(cli_eval, "_chat", lambda *a: calls.append(("editor", a[3].name)) or real_chat(*a))
+    monkeypatch.setattr(chat_module, "chat_answers", stopping_at(0, real_answers, calls))
+    assert main(base + ["--out", str(tmp_path / "whole")]) == 0
+    grace = ("editor", "GRACE (reimplementation)")
+    assert 1 < calls.index(grace) < len(calls) - 2  # ALOE's lists and GRACE's were generated
+    # stopped in GRACE's second answer list, after its first was saved (the unedited ones are cached now)
+
+    def stops_in_graces_second_list(*a, **k):
+        calls.append(k["desc"])
+        if grace in calls and len(calls) - calls.index(grace) == 3:
+            raise KeyboardInterrupt
+        return real_answers(*a, **k)
+
+    calls.clear()
+    monkeypatch.setattr(chat_module, "chat_answers", stops_in_graces_second_list)
+    assert main(base + ["--out", str(tmp_path / "run")]) == 130
+    calls.clear()
+    monkeypatch.setattr(chat_module, "chat_answers", stopping_at(0, real_answers, calls))
+    assert main(base + ["--out", str(tmp_path / "run")]) == 0
+    # the rerun generates none of ALOE's answers and only GRACE's unsaved lists
+    assert calls[0] == ("editor", "ALOE") and calls[1] == ("editor", "GRACE (reimplementation)")
+    for name in ("chat.json", "chat_grace.json"):
+        got, want = (json.loads((tmp_path / d / name).read_text()) for d in ("run", "whole"))
+        assert {k: v for k, v in got.items() if k != "meta"} == {k: v for k, v in want.items() if k != "meta"}
+
+
 def test_cli_eval_asks_a_baseline_in_chat_without_an_operator(tiny, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ALOE_CACHE", str(tmp_path / "cache"))
     model_dir, edits, _ = _saved(tiny, tmp_path)
