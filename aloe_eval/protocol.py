@@ -269,6 +269,10 @@ def _score_in_chunks(
     results = {
         ed.name: merge_results([p[ed.name] for p in pieces], slots=ed.has_slots, open_threshold=open_threshold) for ed in editors
     }
+    for ed in editors:  # fitted once for all the chunks (and not again for a chunk read back)
+        if ed.fit_seconds is not None:
+            info = results[ed.name].info
+            info["timings"] = {"fit_s": ed.fit_seconds, **info["timings"]}
     return results, sequences, len(bounds)
 
 

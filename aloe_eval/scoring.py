@@ -115,8 +115,7 @@ def score_editor(
     if scorer.pca_pairs and not scorer.unedited:
         plots["pca"] = pca(scorer.pca_pairs)
     scorer.timings["total_s"] = time.perf_counter() - t0
-    timings = scorer.timings if editor.fit_seconds is None else {"fit_s": editor.fit_seconds, **scorer.timings}
-    info = {**editor.info(), "timings": timings}
+    info = {**editor.info(), "timings": scorer.timings}
     return EditorResult(editor.name, summary, rows, info, plots)
 
 

@@ -13,6 +13,7 @@ import aloe_eval.protocol as protocol
 from aloe_build.data import EditRequest
 from aloe_eval import evaluate
 from aloe_eval.chunks import chunk_bounds
+from aloe_eval.editors import UneditedEditor
 
 
 def _requests():
@@ -105,3 +106,14 @@ def test_chunks_give_one_pass_numbers_and_an_interrupted_run_resumes(tmp_path, m
     again = evaluate(model, tok, changed, op, chunk_edits=2, parts_dir=parts, **run)
     assert calls == [0, 0]
     assert again.rows[0]["target"] == "Paris"
+
+
+def test_a_fitted_baselines_fit_time_is_counted_once_over_the_chunks():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    reqs = _requests()
+    fitted = UneditedEditor(1)
+    fitted.fit_seconds = 7.5  # as fit_baseline records it
+    report = evaluate(model, tok, reqs, baseline=[fitted], layer=1, chunk_edits=2, progress=False)
+    assert report.meta["settings"]["chunk_edits"] == 2
+    timings = report.editors["unedited"].info["timings"]
+    assert timings["fit_s"] == 7.5 and timings["teacher_forced_s"] > 0
