@@ -225,20 +225,10 @@ def _chat(model, tokenizer, requests, editor: Editor, layer: int, args: argparse
         "device": param.device.type,
         "template": chat_template_key(tokenizer),
     }
-    saved = True
-    if isinstance(editor, AloeEditor):
-        context = {
-            "operator": editor.op.fingerprint(),
-            "operator_dtype": args.operator_dtype,
-            "write_positions": editor.write_positions,
-        }
-        stem = "chat"
-    else:
-        kind = str(editor.info().get("kind", editor.name)).lower()
-        # keyed by the fitted state, not the info, which holds this run's fitting time
-        context = {"editor": editor.name, "state": editor.state_key()}
-        saved = context["state"] is not None
-        stem = f"chat_{kind}"
+    # keyed by the editor's fitted state, never by its info, which holds this run's timings
+    context = {"editor": editor.name, "state": editor.state_key()}
+    saved = context["state"] is not None
+    stem = "chat" if isinstance(editor, AloeEditor) else f"chat_{str(editor.info().get('kind', editor.name)).lower()}"
     result = chat_evaluation(
         model,
         tokenizer,

@@ -27,7 +27,8 @@ from aloe_build.forward import Tick, greedy_generate, progress_bar
 from aloe_build.states import collect_states
 from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id, stop_ids, until_end
 
-from .chunks import ChunkStore, content_key
+from .chunks import ChunkStore
+from .content_key import content_key
 from .editors import Editor
 from .metrics import contains_target, starts_with_target
 from .plan import statement

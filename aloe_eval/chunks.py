@@ -11,13 +11,13 @@ heatmap and the PCA plot show the first chunk.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Sequence
 
 from aloe_build.checkpoints import write_atomically
 
+from .content_key import content_key
 from .report import EditorResult, jsonable
 from .summary import gate_plot_data, summarize
 
@@ -48,12 +48,6 @@ def chunk_key(requests: Sequence[Any], lo: int, context: dict[str, Any]) -> str:
         ]
 
     return content_key([CHUNK_FORMAT, lo, context, [edit(r) for r in requests]])
-
-
-def content_key(content: Any) -> str:
-    """A short hash of ``content`` (anything JSON can write, through ``str`` where it cannot)."""
-    blob = json.dumps(content, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 class ChunkStore:

@@ -12,6 +12,8 @@ from aloe_build.chat_slots import is_chat_entry
 from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
 from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, check_write_positions
 
+from .content_key import content_key
+
 
 class Editor:
     """Something that edits a model in place for evaluation, and can be undone.
@@ -129,6 +131,10 @@ class AloeEditor(Editor):
 
     def detach(self, model: nn.Module) -> None:
         remove_aloe(model)
+
+    def state_key(self) -> str:
+        # the operator's tensors and how it is patched in: its precision, write positions and layer
+        return content_key([self.name, self.op.fingerprint(), str(self.dtype), self.write_positions, self.layer])
 
     @property
     def has_slots(self) -> bool:

@@ -10,7 +10,6 @@ cached per model weights, so that every run (and the caches keyed by the prefixe
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Sequence
@@ -18,8 +17,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from aloe_build.checkpoints import write_atomically
 from aloe_build.forward import model_device
 from aloe_build.tokens import encode_prompt
+
+from ..content_key import content_key
 
 #: the words the reference starts its prefixes from
 STARTS = ("The", "Therefore", "Because", "I", "You")
@@ -56,16 +58,14 @@ def prefix_groups(
     from aloe_kernels import weight_fingerprint
 
     fingerprint = weight_fingerprint(next(model.parameters()))
-    key = hashlib.sha256(json.dumps([fingerprint, [list(x) for x in lengths]]).encode()).hexdigest()[:16]
+    key = content_key([fingerprint, [list(x) for x in lengths]])
     file = Path(cache_dir) / f"prefixes-{key}.json" if cache_dir is not None else None
     if file is not None and file.is_file():
         return json.loads(file.read_text())
     groups = [[""]] + [sample_prefixes(model, tokenizer, tokens, count) for tokens, count in lengths]
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(groups, ensure_ascii=False))
-        tmp.replace(file)
+        write_atomically(file, lambda tmp: tmp.write_text(json.dumps(groups, ensure_ascii=False)))
     return groups
 
 

@@ -58,13 +58,14 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from aloe_build.checkpoints import run_key
 from aloe_build.forward import batches, model_device, progress_bar
 from aloe_build.tokens import encode_continuation, left_pad
 from aloe_build.tokens import pad_id as tokenizer_pad_id
 from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 
-from ..chunks import content_key
+from ..content_key import content_key
 from ..editors import Editor
 
 __all__ = ["GraceConfig", "GraceDownProj", "GraceEditor", "fit_grace"]
@@ -370,8 +371,6 @@ class _FitCheckpoint:
     def __init__(
         self, root: Path | None, weight: torch.Tensor, requests: Sequence[Any], layer: int, cfg: GraceConfig, batch_size: int
     ):
-        from aloe_build.checkpoints import run_key
-
         key = content_key([run_key(requests, weight_fingerprint(weight), layer), FIT_FORMAT, batch_size, dataclasses.asdict(cfg)])
         self.file = None if root is None else Path(root) / f"grace-layer{layer}-{key}.safetensors"
 

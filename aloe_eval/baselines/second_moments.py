@@ -7,8 +7,6 @@ cached per edited weight, layer and text, so MEMIT's layers and later runs read 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -20,6 +18,7 @@ from aloe_build.tokens import encode_prompt
 from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 
+from ..content_key import content_key
 from .layer_inputs import down_proj_inputs
 
 
@@ -45,6 +44,6 @@ def cached_second_moment(
 ) -> torch.Tensor:
     """:func:`second_moment`, read from ``cache_dir`` when the same weight, layer and texts made it."""
     fingerprint = weight_fingerprint(locate_down_proj(model, layer).weight())
-    key = hashlib.sha256(json.dumps([fingerprint, layer, list(texts)]).encode()).hexdigest()[:16]
+    key = content_key([fingerprint, layer, list(texts)])
     file = Path(cache_dir) / f"second-moment-layer{layer}-{key}.safetensors"
     return cached_tensor(file, lambda: second_moment(model, tokenizer, texts, layer, batch_size), "C")

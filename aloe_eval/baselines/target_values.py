@@ -23,9 +23,7 @@ values with the residual as the clamp's scale, as EasyEdit's MEMIT for Llama-2-7
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -33,10 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aloe_build.checkpoints import cached_tensor
 from aloe_build.forward import model_device
 from aloe_build.tokens import batch_inputs, encode_continuation, encode_prompt, pad_id
 from aloe_kernels.hf import decoder_layers, locate_down_proj
 
+from ..content_key import content_key
 from .layer_inputs import subject_last_index
 
 #: the optimization stops once its loss is below this (EasyEdit's ROME and MEMIT)
@@ -194,10 +194,9 @@ def cached_value(
 ) -> torch.Tensor:
     """:func:`optimize_value`, read from ``cache_dir`` when the same model layer, edit, prefixes and
     settings made it (each value costs tens of forward and backward passes)."""
-    from aloe_build.checkpoints import cached_tensor
     from aloe_kernels import weight_fingerprint
 
-    key = json.dumps(
+    key = content_key(
         [
             VALUE_VERSION,
             weight_fingerprint(locate_down_proj(model, layer).weight()),
@@ -209,7 +208,7 @@ def cached_value(
             dataclasses.asdict(settings),
         ]
     )
-    file = Path(cache_dir) / f"value-layer{layer}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
+    file = Path(cache_dir) / f"value-layer{layer}-{key}.safetensors"
     return cached_tensor(
         file, lambda: optimize_value(model, tokenizer, prompt, subject, target, layer, prefixes, settings)[0], "delta"
     )

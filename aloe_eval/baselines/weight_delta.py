@@ -11,7 +11,7 @@ from torch import nn
 from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 
-from ..chunks import content_key
+from ..content_key import content_key
 from ..editors import Editor
 
 

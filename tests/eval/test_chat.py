@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -345,3 +347,21 @@ def test_a_long_answer_list_is_saved_in_blocks_and_resumes_within_the_list(tmp_p
     assert [f.name for f in (tmp_path / "parts").iterdir()] == ["chat-x.json.gz"]
     calls.clear()
     assert chat.saved_chat_answers(model, tok, questions, None, **run) == got and calls == []
+
+
+def test_an_aloe_editors_state_key_follows_its_operator_and_how_it_is_patched_in():
+    """The key that ALOE's saved chat answers are read back under: the same operator patched in the
+    same way gives the same key (a new editor object included), and a changed write, write positions
+    or precision gives another, so stale answers are never read back."""
+    from aloe_eval.editors import AloeEditor
+    from tests.helpers import operator_opening_on
+
+    op = operator_opening_on(torch.randn(2, 8, generator=torch.Generator().manual_seed(1)), n_extra=1, d_out=5)
+    first = AloeEditor(op, check_fingerprint=False, layer=1)
+    assert first.state_key() == AloeEditor(op, check_fingerprint=False, layer=1).state_key()
+    writes = op.writes.clone()
+    writes[0, 0] += 1.0
+    moved = AloeEditor(dataclasses.replace(op, writes=writes), check_fingerprint=False, layer=1)
+    assert moved.state_key() != first.state_key()
+    assert AloeEditor(op, check_fingerprint=False, layer=1, write_positions="all").state_key() != first.state_key()
+    assert AloeEditor(op, check_fingerprint=False, layer=1, dtype=torch.bfloat16).state_key() != first.state_key()
