@@ -20,6 +20,7 @@ from torch import nn
 from aloe_build.checkpoints import write_atomically
 from aloe_build.forward import model_device
 from aloe_build.tokens import encode_prompt
+from aloe_kernels import weight_fingerprint
 
 from ..content_key import content_key
 
@@ -55,8 +56,6 @@ def prefix_groups(
     """The prefix groups of an editor: ``[[""], <prefixes of the first length>, ...]``. Keys are
     averaged within each group, then across groups, as the reference does; target values are fitted
     on every prefix of every group. Read from ``cache_dir`` when the same weights made them."""
-    from aloe_kernels import weight_fingerprint
-
     fingerprint = weight_fingerprint(next(model.parameters()))
     key = content_key([fingerprint, [list(x) for x in lengths]])
     file = Path(cache_dir) / f"prefixes-{key}.json" if cache_dir is not None else None

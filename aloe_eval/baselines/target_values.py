@@ -34,6 +34,7 @@ from torch import nn
 from aloe_build.checkpoints import cached_tensor
 from aloe_build.forward import model_device
 from aloe_build.tokens import batch_inputs, encode_continuation, encode_prompt, pad_id
+from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import decoder_layers, locate_down_proj
 
 from ..content_key import content_key
@@ -194,8 +195,6 @@ def cached_value(
 ) -> torch.Tensor:
     """:func:`optimize_value`, read from ``cache_dir`` when the same model layer, edit, prefixes and
     settings made it (each value costs tens of forward and backward passes)."""
-    from aloe_kernels import weight_fingerprint
-
     key = content_key(
         [
             VALUE_VERSION,
