@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_args(p)
     p.set_defaults(func=_cmd_build)
 
-    from aloe_vllm.export import add_cli as add_vllm_cli
+    from aloe_vllm.export import add_cli as add_export_cli
+    from aloe_vllm.serve import add_serve_cli
 
     from .demo import add_demo_cli
     from .edits import add_edit_cli
@@ -99,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_cli(sub)
     add_eval_cli(sub)
     add_mechanism_cli(sub)
-    add_vllm_cli(sub)
+    add_export_cli(sub)
+    add_serve_cli(sub)
     return parser
 
 

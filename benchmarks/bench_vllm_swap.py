@@ -126,7 +126,8 @@ class Server:
     def __init__(self, args: argparse.Namespace, base_dir: Path, work: Path):
         import subprocess
 
-        from aloe_vllm.export import export_vllm, serve_command
+        from aloe_vllm.export import export_vllm
+        from aloe_vllm.serve import serve_command
 
         self.work = work
         model = export_vllm(base_dir, work / "old", work / "serve", overwrite=True, capacity=args.capacity)

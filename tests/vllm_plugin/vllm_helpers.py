@@ -38,6 +38,7 @@ __all__ = [
     "run_vllm_generate",
     "save_tiny_model",
     "start_server",
+    "start_user_server",
     "stop_server",
     "vllm_env",
     "wait_ready",
@@ -298,6 +299,29 @@ def start_server(cmd: Sequence[str], log: Path, **env: str):
 
     full_env = vllm_env(1, **env)
     full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the API server runs its engine core in a child
+    return subprocess.Popen(list(cmd), env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+#: what the test harness sets in its own environment (Makefile, .ci/run, tests/conftest.py, vllm_env): a user's
+#: shell has none of them, so a server started "as a user would" runs without them
+HARNESS_ENV = (
+    "TRITON_INTERPRET",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TQDM_DISABLE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "ALOE_VLLM_SCREEN",
+)
+
+
+def start_user_server(cmd: Sequence[str], log: Path, **env: str):
+    """Start a server command (its output to ``log``) in a user's environment: this process's without
+    :data:`HARNESS_ENV`, plus ``env``."""
+    import subprocess
+
+    full_env = {k: v for k, v in os.environ.items() if k not in HARNESS_ENV}
+    full_env.update(env)
     return subprocess.Popen(list(cmd), env=full_env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
