@@ -282,12 +282,14 @@ def _add_baseline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
         action="append",
-        choices=["grace", "unedited", *WEIGHT_EDITORS],
+        choices=["grace", "unedited", *WEIGHT_EDITORS, "ft-m", "wise"],
         default=None,
         help="also score this baseline on the same model and stream (repeatable): GRACE on the same layer (its "
         "values saved under $ALOE_CACHE/grace after each batch); ROME, MEMIT or AlphaEdit, the weight editors, on "
-        "their own early layers (their target values cached under $ALOE_CACHE/weight-edits): a rerun resumes "
-        "either; the unedited model is always scored "
+        "their own early layers (their target values cached under $ALOE_CACHE/weight-edits); FT-M, sequential "
+        "fine-tuning of one down-projection (layer 8 of 30, saved under $ALOE_CACHE/ft-m as it goes); WISE, a "
+        "routed side memory of one late down-projection (layer 26 of 30, saved under $ALOE_CACHE/wise as it "
+        "goes): a rerun resumes any of them; the unedited model is always scored "
         "unless --no-unedited",
     )
     p.add_argument("--no-unedited", action="store_true", help="do not score the unedited model as a baseline")

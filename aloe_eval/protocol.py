@@ -322,8 +322,9 @@ def fit_baseline(
     batch_size: int = 32,
     progress: bool = False,
 ) -> Editor:
-    """The baseline ``name`` ready to attach: ``"unedited"``, or ``"grace"`` (at ``layer``) or a weight
-    editor (on its own layers) fitted on ``requests``, its fitting time in ``fit_seconds``."""
+    """The baseline ``name`` ready to attach: ``"unedited"``, or ``"grace"`` (at ``layer``), a weight
+    editor, ``"ft-m"`` or ``"wise"`` (each on its own layers) fitted on ``requests``, its fitting time in
+    ``fit_seconds``."""
     key = name.lower()
     t = time.perf_counter()
     if key in ("unedited", "none", "base"):
@@ -348,8 +349,20 @@ def fit_baseline(
         from .baselines.weight_editors import fit_weight_editor
 
         editor = fit_weight_editor(key, model, tokenizer, requests, progress=progress)
+    elif key == "ft-m":
+        from aloe_build.models import cache_root
+
+        from .baselines.ft_m import FTM_CACHE, fit_ft_m
+
+        editor = fit_ft_m(model, tokenizer, list(requests), progress=progress, checkpoint_dir=cache_root() / FTM_CACHE)
+    elif key == "wise":
+        from aloe_build.models import cache_root
+
+        from .baselines.wise import WISE_CACHE, fit_wise
+
+        editor = fit_wise(model, tokenizer, list(requests), progress=progress, checkpoint_dir=cache_root() / WISE_CACHE)
     else:
-        known = ", ".join(map(repr, ("unedited", "grace", *WEIGHT_EDITORS)))
+        known = ", ".join(map(repr, ("unedited", "grace", *WEIGHT_EDITORS, "ft-m", "wise")))
         raise ValueError(f"unknown baseline {name!r}: expected one of {known} or an Editor")
     editor.fit_seconds = time.perf_counter() - t
     return editor
