@@ -47,10 +47,23 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file (with its string ``metadata``) written through :func:`write_atomically`."""
+    """A safetensors file (with its string ``metadata``) written through :func:`write_atomically`, its
+    folder made if need be."""
     from safetensors.torch import save_file
 
+    file.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def load_tensors(file: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """The tensors and the string metadata of a safetensors ``file`` written by
+    :func:`save_tensors_atomically`; None when there is no such file (or ``file`` is None)."""
+    if file is None or not file.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}, f.metadata() or {}
 
 
 def cached_tensor(file: Path, compute: Callable[[], torch.Tensor], name: str = "states") -> torch.Tensor:
@@ -61,7 +74,6 @@ def cached_tensor(file: Path, compute: Callable[[], torch.Tensor], name: str = "
     if file.is_file():
         return load_file(str(file))[name]
     value = compute()
-    file.parent.mkdir(parents=True, exist_ok=True)
     save_tensors_atomically({name: value.contiguous()}, file)
     return value
 

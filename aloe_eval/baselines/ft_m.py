@@ -204,21 +204,21 @@ class _DeltaCheckpoint:
 
     def restore(self, param: nn.Parameter, log: list[dict[str, float]]) -> int:
         """Load the saved weight into ``param`` and the saved log into ``log``; the edits done."""
-        if self.file is None or not self.file.is_file():
-            return 0
-        from safetensors import safe_open
+        from aloe_build.checkpoints import load_tensors
 
-        with safe_open(str(self.file), "pt") as f:
-            saved = json.loads(f.metadata()["log"])
-            with torch.no_grad():
-                param.copy_(f.get_tensor("weight"))
-        log.extend(saved)
-        return len(saved)
+        saved = load_tensors(self.file)
+        if saved is None:
+            return 0
+        tensors, meta = saved
+        with torch.no_grad():
+            param.copy_(tensors["weight"])
+        saved_log = json.loads(meta["log"])
+        log.extend(saved_log)
+        return len(saved_log)
 
     def save(self, weight: torch.Tensor, log: list[dict[str, float]]) -> None:
         if self.file is None:
             return
         from aloe_build.checkpoints import save_tensors_atomically
 
-        self.file.parent.mkdir(parents=True, exist_ok=True)
         save_tensors_atomically({"weight": weight.cpu().contiguous()}, self.file, metadata={"log": json.dumps(log)})

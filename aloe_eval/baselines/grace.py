@@ -376,13 +376,13 @@ class _FitCheckpoint:
 
     def restore(self, values: torch.Tensor, iters_used: list[int], final_nll: list[float]) -> int:
         """Load the saved values into ``values`` and the record into the lists; the batches done."""
-        if self.file is None or not self.file.is_file():
-            return 0
-        from safetensors import safe_open
+        from aloe_build.checkpoints import load_tensors
 
-        with safe_open(str(self.file), "pt") as f:
-            meta = f.metadata()
-            values.data.copy_(f.get_tensor("values"))
+        saved = load_tensors(self.file)
+        if saved is None:
+            return 0
+        tensors, meta = saved
+        values.data.copy_(tensors["values"])
         iters_used.extend(json.loads(meta["iters"]))
         final_nll.extend(json.loads(meta["nll"]))
         return len(iters_used)
@@ -392,7 +392,6 @@ class _FitCheckpoint:
             return
         from aloe_build.checkpoints import save_tensors_atomically
 
-        self.file.parent.mkdir(parents=True, exist_ok=True)
         meta = {"iters": json.dumps(iters_used), "nll": json.dumps(final_nll)}
         save_tensors_atomically({"values": values.detach().cpu().contiguous()}, self.file, metadata=meta)
 

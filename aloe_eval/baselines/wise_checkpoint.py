@@ -39,15 +39,15 @@ class WiseCheckpoint:
 
     def restore(self) -> WiseState | None:
         """The saved state, or None."""
-        if self.file is None or not self.file.is_file():
-            return None
-        from safetensors import safe_open
+        from aloe_build.checkpoints import load_tensors
 
-        with safe_open(str(self.file), "pt") as f:
-            meta = json.loads(f.metadata()["state"])
-            side = f.get_tensor("side")
-            memories = [f.get_tensor(f"memory_{i}") for i in range(len(meta["memory_mins"]))]
-        return WiseState(side, meta["side_min"], memories, meta["memory_mins"], meta["done"], meta["log"])
+        saved = load_tensors(self.file)
+        if saved is None:
+            return None
+        tensors, metadata = saved
+        meta = json.loads(metadata["state"])
+        memories = [tensors[f"memory_{i}"] for i in range(len(meta["memory_mins"]))]
+        return WiseState(tensors["side"], meta["side_min"], memories, meta["memory_mins"], meta["done"], meta["log"])
 
     def save(self, state: WiseState) -> None:
         if self.file is None:
@@ -57,5 +57,4 @@ class WiseCheckpoint:
         tensors = {"side": state.side.detach().cpu().contiguous()}
         tensors.update({f"memory_{i}": m.detach().cpu().contiguous() for i, m in enumerate(state.memories)})
         meta = {"side_min": state.side_min, "memory_mins": state.memory_mins, "done": state.done, "log": state.log}
-        self.file.parent.mkdir(parents=True, exist_ok=True)
         save_tensors_atomically(tensors, self.file, metadata={"state": json.dumps(meta)})
