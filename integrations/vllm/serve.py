@@ -88,14 +88,22 @@ def _admin_key(args: argparse.Namespace) -> str | None:
     return key or None
 
 
-def served_name(model: str, extra: Sequence[str]) -> str:
-    """The model name requests use: vLLM's ``--served-model-name`` if given after ``--``, else ``--model``
-    as typed when it names the bundled model (``smollm2``), else the model directory's name."""
+def _given_name(extra: Sequence[str]) -> str | None:
+    """vLLM's ``--served-model-name`` among the arguments after ``--``, or None."""
     for i, arg in enumerate(extra):
         if arg == "--served-model-name" and i + 1 < len(extra):
             return extra[i + 1]
         if arg.startswith("--served-model-name="):
             return arg.split("=", 1)[1]
+    return None
+
+
+def served_name(model: str, extra: Sequence[str]) -> str:
+    """The model name requests use: vLLM's ``--served-model-name`` if given after ``--``, else ``--model``
+    as typed when it names the bundled model (``smollm2``), else the model directory's name."""
+    given = _given_name(extra)
+    if given is not None:
+        return given
     path = Path(model).expanduser()
     return path.resolve().name if path.is_dir() else str(model)
 
@@ -163,7 +171,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     memory = plan_memory(model_dir, args.memory, extra, env, on_gpu=torch.cuda.is_available())
     print(f"aloe serve: {memory.reason}", file=sys.stderr, flush=True)
     name = served_name(args.model, extra)
-    if not any(a.split("=", 1)[0] == "--served-model-name" for a in extra):
+    if _given_name(extra) is None:
         extra = ["--served-model-name", name, *extra]
     cmd = serve_command(model_dir, args.host, args.port, [*memory.vllm_args(), *extra], live_edits=bool(key))
     if args.dry_run:

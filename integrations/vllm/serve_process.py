@@ -28,6 +28,8 @@ _PROGRESS_LINE = re.compile(r"^(\(\S+ pid=\d+\) )?(INFO|WARNING) \d")
 _TAIL_LINES = 400
 _PR_SET_PDEATHSIG = 1
 
+#: what to change when a vLLM process was killed (SIGKILL), most often by the kernel's out-of-memory killer
+_KILLED = "a vLLM process was killed, most often by the kernel when memory runs out: free memory or give a smaller --memory"
 #: (pattern in vLLM's output, what to change): the known reasons vLLM stops before it serves
 _KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     (
@@ -46,10 +48,7 @@ _KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     ),
     (r"Address already in use|Errno 98", "the port is taken: give another --port"),
     (r"No module named 'vllm'", "vLLM is not installed in this Python: run aloe serve from .venv-vllm (make install-vllm)"),
-    (
-        r"died unexpectedly \(exit code: -9\)",
-        "a vLLM process was killed, most often by the kernel when memory runs out: free memory or give a smaller --memory",
-    ),
+    (r"died unexpectedly \(exit code: -9\)", _KILLED),
 )
 
 
@@ -61,7 +60,7 @@ def diagnose(tail: str, returncode: int | None) -> str:
     if returncode is not None and returncode < 0:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
         if -returncode == signal.SIGKILL:
-            return _KNOWN_FAILURES[-1][1]
+            return _KILLED
         return f"vLLM was stopped by {name}"
     errors = re.findall(r"^(?:\(\S+ pid=\d+\) )?(?:ERROR [^\]]*\] )?(\w+(?:Error|Exception): .+)$", tail, re.MULTILINE)
     if errors:

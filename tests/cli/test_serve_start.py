@@ -149,7 +149,7 @@ def test_ready_server_is_announced_and_passed_through(tmp_path):
     cmd = _stand_in(
         tmp_path,
         f"""
-        import http.server
+        import http.server, os, time
         print("noise before the server answers", flush=True)
         class Health(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
@@ -158,12 +158,19 @@ def test_ready_server_is_announced_and_passed_through(tmp_path):
             def log_message(self, *args):
                 print("request served", flush=True)
         server = http.server.HTTPServer(("127.0.0.1", {port}), Health)
-        server.handle_request()  # /health once, then exit
+        server.handle_request()  # /health once
+        while not os.path.exists({str(tmp_path / "announced")!r}):  # run_server has called on_ready
+            time.sleep(0.01)
         print("after ready", flush=True)
         """,
     )
     shown, ready = io.StringIO(), []
-    code = run_server(cmd, {}, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log", ready.append, out=shown)
+
+    def announce(seconds: float) -> None:
+        ready.append(seconds)
+        (tmp_path / "announced").touch()
+
+    code = run_server(cmd, {}, f"http://127.0.0.1:{port}/health", tmp_path / "serve.log", announce, out=shown)
     assert code == 0 and len(ready) == 1 and ready[0] >= 0
     assert "noise before" not in shown.getvalue() and "after ready" in shown.getvalue()
     assert "noise before" in (tmp_path / "serve.log").read_text()

@@ -591,20 +591,9 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
 
 
 def _start_server(model_dir: Path, port: int, log: Path, extra=()) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *SERVER_ARGS,
-        *extra,
-    ]
-    return start_server(cmd, log)
+    from aloe_vllm.serve import serve_command
+
+    return start_server(serve_command(model_dir, "127.0.0.1", port, [*SERVER_ARGS, *extra]), log)
 
 
 @pytest.mark.slow
