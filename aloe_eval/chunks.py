@@ -22,7 +22,8 @@ from .report import EditorResult, jsonable
 from .summary import gate_plot_data, summarize
 
 #: Bump when what a chunk file holds changes, so that older files are rescored, not misread.
-CHUNK_FORMAT = 3  # 2: locality references end at the first stop token; 3: distracted locality rows
+#: 2: locality references end at the first stop token; 3: distracted locality rows; 4: in-context requests
+CHUNK_FORMAT = 4
 
 
 def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:

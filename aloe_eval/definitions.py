@@ -15,6 +15,9 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "mean over edits",
     "paper.generalization": "the same exact match on each rephrase; mean over an edit's rephrases, then over edits "
     "with rephrases",
+    "paper.in_context": "the same exact match on the request after one unrelated sentence "
+    "(aloe_eval.in_context.PREFIXES, none in the construction corpus), two forms per edit with the sentences taken "
+    "in turn over the stream; mean per edit, then over edits",
     "paper.locality": "share of locality prompts whose greedy generation of k tokens (k = tokens of the first "
     "ground truth, clipped to [1, 16]; 8 without one) is token-for-token unchanged from the unedited model's, up to "
     "and including the unedited model's first EOS or end-of-turn token, where a server stops; mean per edit, then "

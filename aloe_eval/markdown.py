@@ -56,14 +56,13 @@ def _paper_lines(eds: Mapping[str, Any]) -> list[str]:
         "",
         "## Paper protocol (greedy-generation exact match)",
         "",
-        "| Editor | Eff. | Gen. | Loc. | Port. |",
-        "|---|---|---|---|---|",
+        "| Editor | Eff. | Gen. | In context | Loc. | Port. |",
+        "|---|---|---|---|---|---|",
     ]
     for name, e in eds.items():
         p = e["summary"]["paper"]
-        lines.append(
-            f"| {name} | {_f(p['efficacy'])} | {_f(p['generalization'])} | {_f(p['locality'])} | {_f(p['portability'])} |"
-        )
+        cells = [p["efficacy"], p["generalization"], p.get("in_context"), p["locality"], p["portability"]]
+        lines.append(f"| {name} | " + " | ".join(_f(v) for v in cells) + " |")
     for name, e in eds.items():
         left_out = e["summary"]["counts"].get("locality_prompts_edited_in_stream")
         if left_out:

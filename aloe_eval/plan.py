@@ -13,6 +13,7 @@ from aloe_build.data import fact_statement
 from aloe_build.tokens import encode_continuation, encode_prompt
 
 from .definitions import LOCALITY_DEFAULT_TOKENS, LOCALITY_MAX_TOKENS
+from .in_context import request_in_context
 
 
 @dataclasses.dataclass
@@ -50,6 +51,7 @@ class EditPlan:
     locality: list[Locality]
     portability: list[Portability]
     distracted: list[Locality] = dataclasses.field(default_factory=list)  # locality after the edit's statement
+    in_context: list[Rephrase] = dataclasses.field(default_factory=list)  # the request after unrelated text
 
 
 def statement(request: Any) -> str:
@@ -95,6 +97,10 @@ def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, 
         for text in r.rephrases:
             rp, rc = encode_continuation(tokenizer, text, r.target_new)
             reph.append(Rephrase(text, reg.add(rp, rc)))
+        ctx = []
+        for text in request_in_context(r.prompt, start + i):
+            cp, cc = encode_continuation(tokenizer, text, r.target_new)
+            ctx.append(Rephrase(text, reg.add(cp, cc)))
         loc = []
         for lp in r.locality:
             gt = lp.ground_truth[0] if lp.ground_truth else None
@@ -117,5 +123,5 @@ def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, 
             enc = [encode_continuation(tokenizer, pp.prompt, a) for a in pp.ground_truth]
             seq_p = reg.add(*enc[0])
             port.append(Portability(pp.prompt, pp.kind, tuple(pp.ground_truth), seq_p, tuple(e[1] for e in enc)))
-        plans.append(EditPlan(start + i, r, seq, reph, loc, port, distracted))
+        plans.append(EditPlan(start + i, r, seq, reph, loc, port, distracted, ctx))
     return reg, plans

@@ -188,11 +188,12 @@ class _Scorer:
         self.timings["n_generated"] = len(jobs)
 
     def _generation_jobs(self) -> list[tuple[tuple[int, ...], int]]:
-        """(prompt, length) of every request, rephrase and portability prompt not produced teacher-forced."""
+        """(prompt, length) of every request, rephrase, in-context request and portability prompt not
+        produced teacher-forced."""
         reg = self.reg
         jobs: dict[tuple[tuple[int, ...], int], None] = {}
         for p in self.plans:
-            for j in [p.seq] + [r.seq for r in p.rephrases]:
+            for j in [p.seq] + [r.seq for r in p.rephrases] + [r.seq for r in p.in_context]:
                 if not self.all_right(j):
                     jobs[(reg.seqs[j][0], len(reg.seqs[j][1]))] = None
             for pp in p.portability:
@@ -207,7 +208,8 @@ class _Scorer:
         return self.tf[j].preds == self.reg.seqs[j][1]
 
     def gen_text(self, j: int) -> tuple[bool, str]:
-        """Paper exact match of sequence j (request or rephrase) and the text the model generates."""
+        """Paper exact match of sequence j (a request, rephrase or in-context request) and the text the
+        model generates."""
         p, c = self.reg.seqs[j]
         if self.all_right(j):
             return True, _decode(self.tokenizer, c)
@@ -236,7 +238,8 @@ class _Scorer:
         }
 
     def row(self, p: EditPlan) -> dict[str, Any]:
-        """The per-edit row: the request, its rephrases, locality and portability prompts."""
+        """The per-edit row: the request, its rephrases, the request in context, locality and
+        portability prompts."""
         r = p.request
         slot = self.editor.slot_of(r, p.index) if self.slots else None
         hit_tf, text = self.gen_text(p.seq)
@@ -258,6 +261,9 @@ class _Scorer:
         row["generalization"] = mean(x["em"] for x in reph_rows)
         row["rephrase_acc"] = mean(x["tf_acc"] for x in reph_rows)
         row["rephrases"] = reph_rows
+        ctx_rows = [self.rephrase_row(cp, r.target_new, slot) for cp in p.in_context]
+        row["in_context"] = mean(x["em"] for x in ctx_rows)
+        row["in_context_prompts"] = ctx_rows
         loc_rows = [self.locality_row(lp) for lp in p.locality]
         row["locality"] = mean(x["stable"] for x in loc_rows)
         row["locality_tf"] = mean(x.get("tf_stability") for x in loc_rows)

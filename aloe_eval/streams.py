@@ -41,9 +41,8 @@ from typing import Sequence
 from aloe_build.corpus import default_corpus_path
 from aloe_build.data import EditRequest, LocalityPrompt, load_edits, save_edits_jsonl
 
-from .in_context import in_context
+from .in_context import IN_CONTEXT_PER_EDIT, in_context
 
-IN_CONTEXT_PER_EDIT = 2  # in-context requests per edit, taking the prefixes in turn
 REPHRASE_LOCALITY_KIND = "unedited_rephrase"
 
 

@@ -105,6 +105,7 @@ def summarize(rows: list[dict], *, slots: bool, open_threshold: float) -> dict[s
             "locality_prompts": n_loc,
             "portability_prompts": n_port,
             "distracted_prompts": sum(len(r.get("distracted_prompts", ())) for r in rows),
+            "in_context_prompts": sum(len(r.get("in_context_prompts", ())) for r in rows),
             "edits_with_rephrases": sum(1 for r in rows if r["rephrases"]),
             "edits_with_locality": sum(1 for r in rows if r["locality_prompts"]),
             "edits_with_portability": sum(1 for r in rows if r["portability_prompts"]),
@@ -113,6 +114,7 @@ def summarize(rows: list[dict], *, slots: bool, open_threshold: float) -> dict[s
         "paper": {
             "efficacy": mean(r["efficacy"] for r in rows),
             "generalization": mean(r["generalization"] for r in rows),
+            "in_context": mean(r.get("in_context") for r in rows),
             "locality": mean(r["locality"] for r in rows),
             "locality_outside_stream": outside,
             "portability": mean(r["portability"] for r in rows),

@@ -85,13 +85,20 @@ def test_identical_model_has_locality_one(tiny):
     assert rep2.summary["paper"] == s["paper"] and rep2.summary["easyedit"] == s["easyedit"]
 
 
-def test_forced_token_efficacy_and_the_two_families(tiny):
+@pytest.fixture(scope="module")
+def forced_rome(tiny):
+    """The tiny requests scored with a model that always answers " Rome", beside the unedited model;
+    the report and its rows by edit id."""
     model, tok = tiny
-    reqs = tiny_requests()
-    rome = tok(" Rome", add_special_tokens=False)["input_ids"]
-    assert len(rome) == 1
-    rep = evaluate(model, tok, reqs, ForceToken(rome[0]), baseline="unedited", progress=False)
-    rows = {r["id"]: r for r in rep.rows}
+    rome = tok(" Rome", add_special_tokens=False)["input_ids"][0]
+    rep = evaluate(model, tok, tiny_requests(), ForceToken(rome), baseline="unedited", progress=False)
+    return rep, {r["id"]: r for r in rep.rows}
+
+
+def test_forced_token_efficacy_and_the_two_families(tiny, forced_rome):
+    _, tok = tiny
+    assert len(tok(" Rome", add_special_tokens=False)["input_ids"]) == 1
+    rep, rows = forced_rome
     # single-token target "Rome": the forced model generates it
     assert rows["e0"]["efficacy"] == 1.0 and rows["e0"]["rewrite_acc"] == 1.0
     assert rows["e0"]["generation"].strip() == "Rome"
@@ -208,6 +215,7 @@ def test_report_schema_json_markdown_and_plots(tiny, tmp_path):
         "locality_prompts": 4,
         "portability_prompts": 1,
         "distracted_prompts": 4,  # each locality prompt again, after the edit's statement
+        "in_context_prompts": 6,  # each request after one unrelated sentence, twice
         "edits_with_rephrases": 2,
         "edits_with_locality": 3,
         "edits_with_portability": 1,
@@ -359,14 +367,32 @@ def test_locality_compares_up_to_the_unedited_end_of_sequence(tiny):
     assert lp_before["stable"] == 0.0 and before.summary["paper"]["locality"] == 0.0
 
 
-def test_distracted_locality_asks_after_the_statement_and_counts_leaks_to_the_target(tiny):
+def test_in_context_asks_each_request_after_unrelated_sentences_in_turn(forced_rome):
+    rep, rows = forced_rome
+    # edit i is asked after sentences 2i and 2i + 1 of the fixed list, whatever the editor
+    assert [x["prompt"] for x in rows["e0"]["in_context_prompts"]] == [
+        "Please answer the following question. The Eiffel Tower is located in the city of",
+        "I was reading about this yesterday. The Eiffel Tower is located in the city of",
+    ]
+    assert [x["prompt"] for x in rows["e1"]["in_context_prompts"]] == [
+        "The weather was cold that winter. John Lennon plays the",
+        "Here is a short quiz on general knowledge. John Lennon plays the",
+    ]
+    # the forced model answers "Rome" everywhere: e0's in-context requests hit, e1's ("guitar") miss
+    assert rows["e0"]["in_context"] == 1.0 and rows["e1"]["in_context"] == 0.0
+    assert all(x["generation"].split() == ["Rome"] for x in rows["e0"]["in_context_prompts"])
+    s = rep.summary["paper"]
+    assert s["in_context"] == pytest.approx(sum(r["in_context"] for r in rep.rows) / len(rep.rows))
+    unedited = rep.editors["unedited"].rows
+    assert all(x["generation"].strip() != "Rome" for x in unedited[0]["in_context_prompts"])
+    assert "| In context |" in rep.to_markdown()
+
+
+def test_distracted_locality_asks_after_the_statement_and_counts_leaks_to_the_target(tiny, forced_rome):
     from aloe_build.forward import greedy_generate
 
     model, tok = tiny
-    reqs = tiny_requests()
-    rome = tok(" Rome", add_special_tokens=False)["input_ids"][0]
-    rep = evaluate(model, tok, reqs, ForceToken(rome), baseline="unedited", progress=False)
-    rows = {r["id"]: r for r in rep.rows}
+    rep, rows = forced_rome
     e0 = rows["e0"]["distracted_prompts"][0]
     assert e0["prompt"] == "The Eiffel Tower is located in the city of Rome. Toko Yasuda plays the"
     # the reference is the unedited model's own greedy answer to the distracted prompt
