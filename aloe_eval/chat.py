@@ -8,7 +8,10 @@ tokens. Metrics, per system prompt:
 - ``efficacy_prefix``: the answer starts with the target (case-insensitive, leading space ignored);
 - ``locality``: each locality prompt asked the same way gets token for token the unedited
   model's answer (up to its end of turn);
-- ``unedited_efficacy``: how often the unedited model already gives the target (the floor).
+- ``unedited_efficacy``: how often the unedited model already gives the target (the floor);
+- ``in_context_efficacy`` (and ``unedited_in_context_efficacy``): the target in the answer when the user
+  turn is the request after one unrelated sentence (the first of the plain protocol's two in-context
+  forms, :func:`aloe_eval.in_context.request_in_context`).
 
 For an editor with slots (ALOE), ``locality_changes`` says which gates changed the locality answers
 that changed (:func:`changed_locality_gates`), and ``gates`` holds the own slot's gate at the last prompt token (the
@@ -30,6 +33,7 @@ from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id, stop_id
 from .chunks import ChunkStore
 from .content_key import content_key
 from .editors import Editor
+from .in_context import request_in_context
 from .metrics import contains_target, starts_with_target
 from .plan import statement
 
@@ -227,6 +231,7 @@ def chat_evaluation(
     out: dict[str, Any] = {"tokens": tokens, "edits": len(requests)}
     for name, system in systems.items():
         asks = [r.prompt for r in requests]
+        in_ctx = [request_in_context(r.prompt, i)[0] for i, r in enumerate(requests)]
         loc_owner = [i for i, r in enumerate(requests) for _ in r.locality]
         locs = [lp.prompt for r in requests for lp in r.locality]
         # the same locality questions, each after its edit's statement in a user turn of its own
@@ -246,13 +251,17 @@ def chat_evaluation(
         base_ask = answers("unedited requests", edited=False)
         base_loc = answers("unedited locality", locs, edited=False)
         base_dis = answers("unedited distracted locality", distracted, edited=False)
+        base_ctx = answers("unedited in-context requests", in_ctx, edited=False)
         editor.attach(model)
         try:
             ask, loc = answers("edited requests"), answers("edited locality", locs)
             dis = answers("edited distracted locality", distracted)
+            ctx = answers("edited in-context requests", in_ctx)
         finally:
             editor.detach(model)
         out[name], hit = _chat_scores(tokenizer, requests, system, ask, base_ask, loc, base_loc, loc_owner)
+        out[name]["in_context_efficacy"] = _target_share(tokenizer, requests, ctx)
+        out[name]["unedited_in_context_efficacy"] = _target_share(tokenizer, requests, base_ctx)
         out[name].update(_distracted_scores(tokenizer, requests, dis, base_dis, loc_owner))
         if editor.has_slots and editor.layer is not None:
             out[name].update(
@@ -296,6 +305,12 @@ def _chat_scores(
         "misses": misses[:10],
     }
     return scores, hit
+
+
+def _target_share(tokenizer, requests: Sequence[Any], answers: Sequence[list[int]]) -> float:
+    """The share of answers (one per request) that contain their request's target."""
+    texts = [tokenizer.decode(g, skip_special_tokens=True) for g in answers]
+    return sum(contains_target(t, r.target_new) for t, r in zip(texts, requests)) / len(requests)
 
 
 def _distracted_scores(
@@ -354,8 +369,8 @@ def chat_markdown(result: dict[str, Any]) -> str:
     """One row per system prompt."""
     lines = [
         "| system prompt | efficacy (target in answer) | exact prefix | unedited | chat locality "
-        "| own gate open | mean own gate | misses: address / write | distracted loc. | leak to target |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| own gate open | mean own gate | misses: address / write | distracted loc. | leak to target | in context |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in result.items():
         if isinstance(r, dict) and "efficacy" in r:
@@ -366,7 +381,8 @@ def chat_markdown(result: dict[str, Any]) -> str:
                 if g and g["mapped"]
                 else "n/a | n/a | n/a"
             )
-            dis = " | ".join("n/a" if r.get(k) is None else f"{r[k]:.4f}" for k in ("distracted_locality", "distracted_leak"))
+            cols = ("distracted_locality", "distracted_leak", "in_context_efficacy")
+            dis = " | ".join("n/a" if r.get(k) is None else f"{r[k]:.4f}" for k in cols)
             lines.append(
                 f"| {name} | {r['efficacy']:.4f} | {r['efficacy_prefix']:.4f} | {r['unedited_efficacy']:.4f} | {loc} | {gates} "
                 f"| {dis} |"

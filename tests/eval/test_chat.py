@@ -117,6 +117,14 @@ def test_chat_metrics_against_one_at_a_time_generation():
     assert tok.decode([forced]) not in unedited0
     assert forced_run["distracted_locality"] == 0.0
     assert forced_run["distracted_leak"] == pytest.approx(1 / 3)
+    # the request after an unrelated sentence: the forced token is edit 0's target only; the unedited
+    # answers are those of one-at-a-time generation on the same user turns
+    in_ctx = ["Please answer the following question. " + questions[0], "The weather was cold that winter. " + questions[1]]
+    in_ctx.append("He said nothing more about it. " + questions[2])
+    base = [tok.decode(_answer(model, tok, q, None), skip_special_tokens=True) for q in in_ctx]
+    want = sum(r.target_new.lower() in b.lower() for r, b in zip(reqs, base)) / 3
+    assert same["in_context_efficacy"] == same["unedited_in_context_efficacy"] == pytest.approx(want)
+    assert forced_run["in_context_efficacy"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.slow
@@ -267,8 +275,11 @@ def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeyp
     calls.clear()
     monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
     resumed = chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-a", **run)
-    edited = [f"chat (default_system): edited {x}" for x in ("requests", "locality", "distracted locality")]
-    assert calls == ["chat (default_system): unedited distracted locality", *edited]
+    edited = [
+        f"chat (default_system): edited {x}" for x in ("requests", "locality", "distracted locality", "in-context requests")
+    ]
+    unedited = [f"chat (default_system): unedited {x}" for x in ("distracted locality", "in-context requests")]
+    assert calls == [*unedited, *edited]
     assert resumed == whole
 
     calls.clear()
@@ -278,7 +289,7 @@ def test_chat_answers_are_saved_and_an_interrupted_run_resumes(tmp_path, monkeyp
 
     calls.clear()
     chat_evaluation(model, tok, reqs, ForceToken(5), parts=store, context="op-a", model_context="other", **run)
-    assert len(calls) == 6  # requests, locality and distracted locality, unedited and edited
+    assert len(calls) == 8  # requests, locality, distracted locality and in-context requests, unedited and edited
 
 
 def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatch):
@@ -298,13 +309,14 @@ def test_unedited_chat_answers_are_read_from_a_shared_store(tmp_path, monkeypatc
         unedited_parts=ChunkStore(tmp_path / "cache"),
     )
     chat_evaluation(model, tok, reqs, ForceToken(5), parts=ChunkStore(tmp_path / "a"), context="op-a", **run)
-    assert len(list((tmp_path / "cache").glob("chat-unedited-*.json.gz"))) == 3
+    assert len(list((tmp_path / "cache").glob("chat-unedited-*.json.gz"))) == 4
     assert not list((tmp_path / "a").glob("chat-unedited-*"))
 
     real, calls = chat.chat_answers, []
     monkeypatch.setattr(chat, "chat_answers", lambda *a, **k: calls.append(k["desc"]) or real(*a, **k))
     got = chat_evaluation(model, tok, reqs, ForceToken(7), parts=ChunkStore(tmp_path / "b"), context="op-b", **run)
-    assert calls == [f"chat (default_system): edited {x}" for x in ("requests", "locality", "distracted locality")]
+    edited = ("requests", "locality", "distracted locality", "in-context requests")
+    assert calls == [f"chat (default_system): edited {x}" for x in edited]
     monkeypatch.setattr(chat, "chat_answers", real)
     assert got == chat_evaluation(model, tok, reqs, ForceToken(7), batch_size=2, progress=False, systems={"default_system": None})
 
