@@ -78,9 +78,9 @@ test-vllm: install-vllm
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu_suite --part all
 
-# The gate microbenchmark (benchmarks/bench_gate.py); its options go in ARGS, e.g. make bench ARGS="--help".
+# The gate microbenchmark (benchmarks/gate/bench_gate.py); its options go in ARGS, e.g. make bench ARGS="--help".
 bench: install
-	$(PY) -m benchmarks.bench_gate $(ARGS)
+	$(PY) -m benchmarks.gate.bench_gate $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -3,8 +3,9 @@
 Every import of one of our modules counts, at module level or inside a
 function. Layers: ``aloe_kernels`` imports nothing of ours; ``aloe_build``
 only ``aloe_kernels``; ``aloe_eval`` build and kernels; the vLLM plugin
-(``aloe_vllm``) kernels and build; ``benchmarks`` anything but the CLI; the
-``aloe_cli`` command every package but ``benchmarks``. No module may reach itself through imports.
+(``aloe_vllm``) kernels and build; ``benchmarks`` (maintained suites) anything but the CLI and
+``experiments``; ``experiments`` (one-question scripts) anything but the CLI; the ``aloe_cli`` command
+every package but ``benchmarks`` and ``experiments``. No module may reach itself through imports.
 Source files stay under 600 lines and functions under 80.
 """
 
@@ -22,6 +23,7 @@ PACKAGES = {
     "aloe_cli": "aloe_cli",
     "aloe_vllm": "integrations/vllm",
     "benchmarks": "benchmarks",
+    "experiments": "experiments",
 }
 ALLOWED = {
     "aloe_kernels": set(),
@@ -29,7 +31,8 @@ ALLOWED = {
     "aloe_eval": {"aloe_kernels", "aloe_build"},
     "aloe_vllm": {"aloe_kernels", "aloe_build"},
     "benchmarks": {"aloe_kernels", "aloe_build", "aloe_eval", "aloe_vllm"},
-    "aloe_cli": set(PACKAGES) - {"benchmarks"},  # the wheel does not ship benchmarks
+    "experiments": {"aloe_kernels", "aloe_build", "aloe_eval", "aloe_vllm", "benchmarks"},
+    "aloe_cli": set(PACKAGES) - {"benchmarks", "experiments"},  # the wheel ships neither
 }
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80

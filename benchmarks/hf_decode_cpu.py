@@ -5,7 +5,7 @@ of prompts, timed with ``apply_aloe`` and without in alternating rounds of the s
 order reversed every other round, so that machine noise hits both alike. Overhead = 1 -
 median(patched tok/s) / median(base tok/s); paired overhead = 1 - median over rounds of
 patched / base. Also reports the share of the prompts' token positions that open any gate
-(the prompts and the gate statistics of ``benchmarks.bench_vllm``).
+(the prompts and the gate statistics of ``benchmarks.serving.bench_vllm``).
 
     python -m benchmarks.hf_decode_cpu --operator runs/cf4000 --batch 1,8 --out benchmarks/results/hf_decode_cpu
 """
@@ -23,7 +23,7 @@ import torch
 
 from aloe_build.models import load_model
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
-from benchmarks.bench_vllm import PROMPTS, _open_stats, _states
+from benchmarks.serving.bench_vllm import PROMPTS, _open_stats, _states
 
 
 def _generate(model, inputs: dict, tokens: int) -> float:

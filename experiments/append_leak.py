@@ -14,7 +14,7 @@ The reverse order ("<earlier statement>. <appended request>") gives ``appended_e
 appended edit still fires after an earlier edit's fact. Plain prompts (10 tokens) and chat (the
 statement and the request as two user turns, default system prompt, 32 tokens).
 
-    python -m benchmarks.append_leak BASE_DIR APPENDED_DIR [--limit 100] --out FILE.json
+    python -m experiments.append_leak BASE_DIR APPENDED_DIR [--limit 100] --out FILE.json
 """
 
 from __future__ import annotations

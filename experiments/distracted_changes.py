@@ -9,7 +9,7 @@ and that slot to the edit whose statement came first ("own") or another edit of 
 ("other"); "none open" when no gate reaches 0.5 at any written position (small gates only). Each
 change also says whether the same locality prompt, asked alone, changed in that run.
 
-    python -m benchmarks.distracted_changes EVAL_DIR OPERATOR_DIR [--model smollm2] [--out FILE.json]
+    python -m experiments.distracted_changes EVAL_DIR OPERATOR_DIR [--model smollm2] [--out FILE.json]
 """
 
 from __future__ import annotations

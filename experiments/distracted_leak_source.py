@@ -6,7 +6,7 @@ residual added only at some positions: all of them, those inside the statement, 
 An answer that changes with the statement's positions alone was changed by the write added where
 the edit's own request is read, carried to the question by attention.
 
-    python benchmarks/distracted_leak_source.py OPERATOR_DIR EDITS [--skip-invalid] [--limit N]
+    python experiments/distracted_leak_source.py OPERATOR_DIR EDITS [--skip-invalid] [--limit N]
 """
 
 from __future__ import annotations

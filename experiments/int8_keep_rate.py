@@ -8,7 +8,7 @@ the operator's own requests (its first 300, at the last token, where its edits o
 kept. The bytes a decode step reads from the addresses, against the bf16 operator's n x d x 2:
 the int8 values, the float16 scales and the kept rows in bf16 (rescored exactly).
 
-    python -m benchmarks.int8_keep_rate OPERATOR_DIR --edits $DATA/counterfact/counterfact-val.json \\
+    python -m experiments.int8_keep_rate OPERATOR_DIR --edits $DATA/counterfact/counterfact-val.json \\
         --start 1301 --records 100 --out benchmarks/results/int8_keep_rate_smollm2/n1301.json
 """
 

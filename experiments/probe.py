@@ -6,7 +6,7 @@ on its rewordings; locality against the unedited model), then undone. Beside it,
 control asks the unedited model the first rewording after the new fact is stated ("<request>
 <target>. <rewording>"): if the model cannot produce the target even then, the limit is the model's.
 
-    python -m aloe_eval.baselines.probe --model smollm2 --edits FILE --layer 4 --out DIR [--limit N]
+    python -m experiments.probe --model smollm2 --edits FILE --layer 4 --out DIR [--limit N]
 
 Each edit's row is appended to ``DIR/rows.jsonl`` as it finishes, so a rerun resumes; the second
 moment and every target value are cached under ``$ALOE_CACHE/weight-edits``. ``DIR/summary.json``
@@ -25,11 +25,10 @@ import torch
 
 from aloe_build.forward import teacher_forced
 from aloe_build.tokens import encode_continuation, pad_id
-
-from ..metrics import mean_with_se
-from .layer_inputs import SubjectNotFound, subject_last_index
-from .rome import fit_rome
-from .weight_editors import corpus_second_moments, weight_edit_cache
+from aloe_eval.baselines.layer_inputs import SubjectNotFound, subject_last_index
+from aloe_eval.baselines.rome import fit_rome
+from aloe_eval.baselines.weight_editors import corpus_second_moments, weight_edit_cache
+from aloe_eval.metrics import mean_with_se
 
 
 def produces(model, tokenizer, prompt: str, target: str) -> bool:
@@ -62,7 +61,7 @@ def _row(model, tok, edit, layer: int, C: torch.Tensor, cache: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from aloe_build import load_edits, load_model
 
-    ap = argparse.ArgumentParser(prog="python -m aloe_eval.baselines.probe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--edits", required=True)
     ap.add_argument("--layer", type=int, required=True, help="the layer ROME edits")

@@ -6,7 +6,7 @@ read it at the last token of the subject, at an early layer. This measures both,
 the same edits: a rewording counts as found when its state is closer to its own request's state (same
 layer, same kind of token) than to every other request's.
 
-    python -m aloe_eval.baselines.rewording_states --model smollm2 --edits FILE --limit 100 --out FILE.json
+    python -m experiments.rewording_states --model smollm2 --edits FILE --limit 100 --out FILE.json
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from aloe_build.tokens import encode_prompt
-
-from ..metrics import mean_with_se
-from .layer_inputs import SubjectNotFound, down_proj_inputs, subject_last_index
+from aloe_eval.baselines.layer_inputs import SubjectNotFound, down_proj_inputs, subject_last_index
+from aloe_eval.metrics import mean_with_se
 
 #: the two reading points: the prompt's last token (ALOE) and the subject's last token (weight editors)
 POSITIONS = ("last_token", "subject_last_token")
@@ -74,7 +73,7 @@ def rewording_retrieval(model: nn.Module, tokenizer, requests: Sequence[Any], la
 def main(argv: list[str] | None = None) -> int:
     from aloe_build import load_edits, load_model
 
-    ap = argparse.ArgumentParser(prog="python -m aloe_eval.baselines.rewording_states", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.rewording_states", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--edits", required=True)
     ap.add_argument("--limit", type=int, default=None)
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model, tok = load_model(args.model)
     result = rewording_retrieval(model, tok, load_edits(args.edits, limit=args.limit), args.layers)
-    result["command"] = " ".join(["python -m aloe_eval.baselines.rewording_states", *(argv or sys.argv[1:])])
+    result["command"] = " ".join(["python -m experiments.rewording_states", *(argv or sys.argv[1:])])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -1,20 +1,20 @@
 """An ALOE operator addressed where the weight editors read: the experiment that moves ALOE's address
 from the prompt's last token to the subject's last token.
 
-:mod:`.rewording_states` finds that at the subject's last token a rewording's state is nearest its own
-request's at every layer, where at the prompt's last token it rarely is. This builds the operator that
-follows: at ``layer``, each edit's address is the unit down-projection input at the last token of its
-subject in its request, and its write is MEMIT's target value there (:mod:`.target_values`, the delta of
-the residual after the layer, which is what the down-projection adds to). The operator's gate runs at
-every token, so it opens wherever the subject's state appears, and the write reaches the answer through
-attention, as a weight edit does.
+:mod:`experiments.rewording_states` finds that at the subject's last token a rewording's state is
+nearest its own request's at every layer, where at the prompt's last token it rarely is. This builds
+the operator that follows: at ``layer``, each edit's address is the unit down-projection input at the
+last token of its subject in its request, and its write is MEMIT's target value there
+(:mod:`aloe_eval.baselines.target_values`, the delta of the residual after the layer, which is what
+the down-projection adds to). The operator's gate runs at every token, so it opens wherever the
+subject's state appears, and the write reaches the answer through attention, as a weight edit does.
 
 Each gate is calibrated as ALOE's paper calibrates a slot, at the midpoint between its own request
 (score 1) and its hardest negative: the largest score of any token of the bundled construction corpus
 (never an evaluated stream), with the temperature that puts both 7 logits from the threshold, so that
 the gate is 0.999 on the request and in the dead zone on every corpus token.
 
-    python -m aloe_eval.baselines.subject_address --model smollm2 --edits FILE --limit 100 --out DIR
+    python -m experiments.subject_address --model smollm2 --edits FILE --limit 100 --out DIR
     aloe eval --model smollm2 --operator DIR --edits FILE --limit 100 ...
 """
 
@@ -30,11 +30,10 @@ import torch
 from torch import nn
 
 from aloe_build.tokens import encode_prompt
+from aloe_eval.baselines.layer_inputs import down_proj_inputs, locatable, subject_keys
+from aloe_eval.baselines.target_values import MEMIT_VALUE
 from aloe_kernels import AloeOperator, weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
-
-from .layer_inputs import down_proj_inputs, locatable, subject_keys
-from .target_values import MEMIT_VALUE
 
 #: the logits between tau and the calibration points on either side
 MARGIN_LOGITS = 7.0
@@ -91,12 +90,11 @@ def subject_operator(
 def main(argv: list[str] | None = None) -> int:
     from aloe_build import load_edits, load_model
     from aloe_build.corpus import default_corpus_path
+    from aloe_eval.baselines.context_prefixes import MEMIT_LENGTHS, flat, prefix_groups
+    from aloe_eval.baselines.memit import target_deltas
+    from aloe_eval.baselines.weight_editors import SECOND_MOMENT_RECORDS, weight_edit_cache
 
-    from .context_prefixes import MEMIT_LENGTHS, flat, prefix_groups
-    from .memit import target_deltas
-    from .weight_editors import SECOND_MOMENT_RECORDS, weight_edit_cache
-
-    ap = argparse.ArgumentParser(prog="python -m aloe_eval.baselines.subject_address", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.subject_address", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--edits", required=True)
     ap.add_argument("--limit", type=int, default=None)
@@ -118,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "median": float(op.thresholds.median()),
         "max": float(op.thresholds.max()),
     }
-    info["command"] = " ".join(["python -m aloe_eval.baselines.subject_address", *(argv or sys.argv[1:])])
+    info["command"] = " ".join(["python -m experiments.subject_address", *(argv or sys.argv[1:])])
     (Path(args.out) / "subject_address.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info, indent=1))
     return 0

@@ -6,7 +6,7 @@ scores before the gates (``aloe_vllm.layer``), besides the layer's own output al
 counts, so the scores' share of the layer's communication is seen beside the all-reduce every
 row-parallel layer already does.
 
-    python -m benchmarks.tp_allreduce --capacity 10000 --d-out 4096 --out benchmarks/results/tp_allreduce_cpu
+    python -m experiments.tp_allreduce --capacity 10000 --d-out 4096 --out benchmarks/results/tp_allreduce_cpu
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"settings": vars(args), "torch": torch.__version__, "rows": rows}, indent=1)
         )
         Path(args.out + ".md").write_text(
-            report + f"\n\nCommand: `python -m benchmarks.tp_allreduce --capacity {args.capacity} --d-out {args.d_out}"
+            report + f"\n\nCommand: `python -m experiments.tp_allreduce --capacity {args.capacity} --d-out {args.d_out}"
             f" --tp {args.tp} --out {args.out}`\n"
         )
     return 0

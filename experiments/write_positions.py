@@ -6,7 +6,7 @@ statement, plain and as two user turns of the chat template (answers compared wi
 model's; leak: the edit's target appears where the unedited answer lacked it); the request through
 the chat template after its default and a custom system prompt (target in the answer).
 
-    python -m benchmarks.write_positions OPERATOR_DIR EDITS [--limit N] [--skip-invalid] [--out FILE]
+    python -m experiments.write_positions OPERATOR_DIR EDITS [--limit N] [--skip-invalid] [--out FILE]
 """
 
 from __future__ import annotations

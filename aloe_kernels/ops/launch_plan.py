@@ -31,7 +31,7 @@ the shapes, so its bits do not depend on timing noise across processes; so do
 explicit block sizes and fp32 input tiles (the autotuning space is sized for
 16-bit tiles; fp32 ones take narrower fixed blocks). Every configuration of
 the autotuning spaces and every fixed one compiles for sm_90 without register
-spills (``benchmarks/aot_sm90.py``, table in
+spills (``benchmarks/aot/aot_sm90.py``, table in
 ``benchmarks/results/gpu/aot_sm90.md``). Under
 the interpreter there is one configuration (``INTERPRETER_BLOCKS``) and block
 sizes can be passed explicitly (``block_t``, ``block_n``, ``block_d``,

@@ -10,7 +10,7 @@ PTX and from the kernel metadata, the count of cp.async copies from the
 TTGIR. Writes a markdown table (from the repository root, with the Triton of
 the GPU machine, 3.6)::
 
-    TRITON_INTERPRET=0 python -m benchmarks.aot_sm90 [--out benchmarks/results/gpu/aot_sm90.md]
+    TRITON_INTERPRET=0 python -m benchmarks.aot.aot_sm90 [--out benchmarks/results/gpu/aot_sm90.md]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "gpu" / "aot_sm90.md"
 FLOATS = ("eps", "gate_eps", "inv_one_minus_geps")
 # What Triton's launcher specialises in an ordinary launch (contiguous bf16 tensors from the
@@ -279,7 +279,7 @@ def _write(path: Path, version: str, lines: list, seconds: float) -> None:
         f"{seconds:.0f} s). Command, from the repository root with Triton {version} installed (the "
         "interpreter must be off):",
         "",
-        "    TRITON_INTERPRET=0 python -m benchmarks.aot_sm90",
+        "    TRITON_INTERPRET=0 python -m benchmarks.aot.aot_sm90",
         "",
         "Registers and spill bytes from the bundled `ptxas -v` on the generated PTX; shared memory from the",
         "kernel metadata (bytes per block; sm_90 allows 232,448). Gate inputs are bf16 or fp32 as listed,",

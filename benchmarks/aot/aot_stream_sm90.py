@@ -9,7 +9,7 @@ shared memory of the one program per SM less the one step's tiles being read (th
 buffers hold the steps requested ahead). Writes a
 markdown table (from the repository root, with the Triton of the GPU machine, 3.6)::
 
-    TRITON_INTERPRET=0 python -m benchmarks.aot_stream_sm90 [--out benchmarks/results/gpu/aot_stream_sm90.md]
+    TRITON_INTERPRET=0 python -m benchmarks.aot.aot_stream_sm90 [--out benchmarks/results/gpu/aot_stream_sm90.md]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "gpu" / "aot_stream_sm90.md"
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # What an ordinary launch specialises (contiguous tensors, 16-aligned, d = 14336, d_out = 4096).
@@ -190,7 +190,7 @@ def compile_config(kernels: dict, row: tuple) -> dict:
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    from benchmarks.aot_sm90 import _ptxas_stats, kernel_signature
+    from benchmarks.aot.aot_sm90 import _ptxas_stats, kernel_signature
 
     kname, dt, ptrs, consts, warps, stages, _, unit, div16 = row
     fn = kernels[kname]
@@ -231,7 +231,7 @@ def _row_key(row: tuple) -> tuple:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT))
-    from benchmarks.aot_sm90 import start
+    from benchmarks.aot.aot_sm90 import start
 
     out = start(__doc__, OUT)
     import triton
@@ -273,7 +273,7 @@ def _write(path: Path, version: str, lines: list, seconds: float) -> None:
         f'Triton {version}, target `GPUTarget("cuda", 90, 32)`, no GPU needed ({len(lines)} configurations, '
         f"{seconds:.0f} s). Command, from the repository root with Triton {version} installed:",
         "",
-        "    TRITON_INTERPRET=0 python -m benchmarks.aot_stream_sm90",
+        "    TRITON_INTERPRET=0 python -m benchmarks.aot.aot_stream_sm90",
         "",
         "Launches per call: 2 (S then W; `tests/kernels/test_kernel_stream.py::test_two_launches_per_call`).",
         "`default`: what `aloe_kernels/ops/stream_gate.py` launches on a GPU. `step: div/shfl/bar`: divisions",

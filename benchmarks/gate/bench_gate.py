@@ -36,8 +36,8 @@ Metrics
 - ``speedup_vs_<provider>``: that provider's time / this one's, per workload.
 
 Results go to ``<out>.csv``, ``<out>.json`` (with device, versions and CPU/GPU
-model) and ``<out>.png`` (written by :mod:`benchmarks.bench_gate_report`). Run
-``python -m benchmarks.bench_gate --help``.
+model) and ``<out>.png`` (written by :mod:`benchmarks.gate.bench_gate_report`). Run
+``python -m benchmarks.gate.bench_gate --help``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.bench_gate_report import summarize, write_results
+from benchmarks.gate.bench_gate_report import summarize, write_results
 
 # (d, d_out); "tiny" is for smoke runs on CPU (not in --shapes all).
 SHAPES = {"smollm2": (1536, 576), "llama3-8b": (14336, 4096), "tiny": (48, 24)}
@@ -83,7 +83,7 @@ GPU_BANDWIDTH = {
     "A10G": 600.0,
 }
 TAU, ALPHA = 0.8, 30.0
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
 
 
 # ---------------------------------------------------------------- workload

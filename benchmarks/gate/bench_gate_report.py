@@ -1,4 +1,4 @@
-"""Output of the gate microbenchmark (:mod:`benchmarks.bench_gate`): the summary of its CPU
+"""Output of the gate microbenchmark (:mod:`benchmarks.gate.bench_gate`): the summary of its CPU
 targets, and its results as ``<out>.csv``, ``<out>.json`` and ``<out>.png``.
 """
 

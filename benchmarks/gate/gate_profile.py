@@ -1,9 +1,9 @@
 """Where the decode time of the gate kernel goes, kernel by kernel, on a GPU.
 
-    python3 -m benchmarks.gate_profile [--n 1301 10000 100000] [--T 1 32]   # on a CUDA machine
+    python3 -m benchmarks.gate.gate_profile [--n 1301 10000 100000] [--T 1 32]   # on a CUDA machine
 
 At decode (Llama-3-8B down-projection, bf16, one gate open per token: the
-``gate`` part's workloads of :func:`benchmarks.bench_gate.make_workload`;
+``gate`` part's workloads of :func:`benchmarks.gate.bench_gate.make_workload`;
 T = 32 is a decode batch of 32), each variant is timed
 twice: as a CUDA-graph replay with L2 flushed (what a serving engine sees), and
 eagerly under ``torch.profiler`` for the device time of each kernel it launches.
@@ -32,7 +32,7 @@ import torch
 from aloe_kernels.ops.aloe_gate import aloe_gate_residual_
 from aloe_kernels.ops.gate_kernels import jit_kernels
 from aloe_kernels.ops.launch_plan import plan_launch, sm_count
-from benchmarks.bench_gate import make_workload
+from benchmarks.gate.bench_gate import make_workload
 from benchmarks.gpu.timing import GraphTimer
 
 PROFILE_REPS = 20

@@ -98,7 +98,7 @@ def slug(name: str) -> str:
 
 def environment(device: str) -> dict[str, Any]:
     """Device name and versions of torch, Triton, transformers and CUDA, with a timestamp."""
-    from benchmarks.bench_gate import environment as base_environment
+    from benchmarks.gate.bench_gate import environment as base_environment
 
     env = base_environment(device)
     try:

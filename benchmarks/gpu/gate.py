@@ -2,7 +2,7 @@
 timed as CUDA-graph replays with L2 flushed, against the copy bandwidth measured
 in the same run.
 
-Providers (from :mod:`benchmarks.bench_gate`): ``aloe_triton`` (the fused
+Providers (from :mod:`benchmarks.gate.bench_gate`): ``aloe_triton`` (the fused
 kernel as launched by default: the split decode path), ``aloe_stream`` (the streaming decode
 kernels S + W, at most 32 tokens), ``aloe_stream_int8`` (the same with the int8 address screen
 first), ``reference`` (the unfused PyTorch formula), ``dense_lowrank`` (the
@@ -46,7 +46,7 @@ def _timer(ctx: Context):
 def _bandwidth(ctx: Context, timer) -> tuple[float, str]:
     if ctx.cuda:
         return timer.copy_bandwidth_gbps(), "device copy of 2 GiB, CUDA-graph timed, measured in this run"
-    from benchmarks.bench_gate import measure_bandwidth
+    from benchmarks.gate.bench_gate import measure_bandwidth
 
     return measure_bandwidth("cpu")
 
@@ -74,7 +74,7 @@ def stream_checks(w, ref: torch.Tensor) -> dict:
 def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_us) -> dict:
     """Check the fused kernel against float64 on one workload, then time every provider on it."""
     from aloe_kernels import aloe_residual_
-    from benchmarks.bench_gate import build_providers, make_workload
+    from benchmarks.gate.bench_gate import build_providers, make_workload
 
     shape = "llama3-8b" if ctx.cuda else "tiny"
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
@@ -105,7 +105,7 @@ def measure_one(ctx: Context, res: PartResult, T: int, n: int, bw: float, time_u
         if ctx.cuda and T <= 32:
             row.update(stream_checks(w, ref))
         if ctx.cuda:
-            from benchmarks.gate_profile import autotuned_configs
+            from benchmarks.gate.gate_profile import autotuned_configs
 
             row["autotuned_so_far"] = autotuned_configs()
     providers = ["aloe_triton", "aloe_stream", "aloe_stream_int8", "reference", "dense_lowrank", "cublas_scores"]

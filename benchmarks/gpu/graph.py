@@ -57,7 +57,7 @@ def _compile_modes(ctx: Context) -> list[tuple[str, dict]]:
 def check_residual(ctx: Context, res: PartResult, dtype: torch.dtype) -> None:
     """``aloe_residual_`` eager, replayed from a CUDA graph with a new h, and compiled fullgraph."""
     from aloe_kernels import aloe_residual_
-    from benchmarks.bench_gate import SHAPES, make_workload
+    from benchmarks.gate.bench_gate import SHAPES, make_workload
 
     shape, T, n = ("llama3-8b", 4, 10000) if ctx.cuda else ("tiny", 3, 50)
     w = make_workload(shape, T, n, "1", dtype, ctx.device, seed=11, gen_device=ctx.device)
@@ -105,7 +105,7 @@ def check_stream_replays(ctx: Context, res: PartResult, dtype: torch.dtype) -> N
     """The streaming decode kernels (S + W) captured once, replayed 200 times: identical bits every time."""
     from aloe_kernels.ops import buffers
     from aloe_kernels.ops.stream_gate import run_stream_gate
-    from benchmarks.bench_gate import make_workload
+    from benchmarks.gate.bench_gate import make_workload
 
     from .timing import GraphTimer
 

@@ -30,7 +30,7 @@ throughputs.
 Results: ``<out>.json`` (versions, CPU, settings, every sample, open
 statistics) and ``<out>.csv`` (one row per configuration).
 
-    python -m benchmarks.bench_vllm --model smollm2 --out benchmarks/results/vllm_cpu
+    python -m benchmarks.serving.bench_vllm --model smollm2 --out benchmarks/results/vllm_cpu
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def _open_stats(op, states) -> dict:
 
 
 def _calibration_texts() -> tuple[list[str], list[str]]:
-    from benchmarks.vllm_inputs import SAMPLE_EDITS
+    from benchmarks.serving.vllm_inputs import SAMPLE_EDITS
 
     calib = [e[0] for e in SAMPLE_EDITS] + [e[2] for e in SAMPLE_EDITS] + PROMPTS[:4]
     hold = [e[3] for e in SAMPLE_EDITS] + PROMPTS[4:]
@@ -234,7 +234,7 @@ def build_configs(args: argparse.Namespace, work: Path) -> tuple[Path, list[tupl
     from aloe_kernels import AloeOperator, weight_fingerprint
     from aloe_kernels.hf import locate_down_proj
     from aloe_vllm.export import export_vllm, resolve_base
-    from benchmarks.vllm_inputs import random_sparse_operator
+    from benchmarks.serving.vllm_inputs import random_sparse_operator
 
     base_dir = resolve_base(args.model)
     model, tok = load_model(str(base_dir))

@@ -2,7 +2,7 @@
 
 One server (``aloe serve``'s command: ``--max-edits`` slots, the admin
 middleware and worker extension) serves SmolLM2 with an operator ``old`` of
-``--edits`` random calibrated edits (``benchmarks.vllm_inputs``); ``new`` is
+``--edits`` random calibrated edits (``benchmarks.serving.vllm_inputs``); ``new`` is
 ``old`` plus one fact edit that makes a probe prompt answer a new target
 (checked on the patched transformers model before serving).
 
@@ -18,7 +18,7 @@ middleware and worker extension) serves SmolLM2 with an operator ``old`` of
 
 Results: ``<out>.json`` (settings, versions, every sample) and ``<out>.md`` (summary).
 
-    python -m benchmarks.bench_vllm_swap --out benchmarks/results/vllm_swap_cpu
+    python -m benchmarks.serving.bench_vllm_swap --out benchmarks/results/vllm_swap_cpu
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.bench_vllm import PROMPTS, _calibration_texts, _cpu, _states, _versions
+from benchmarks.serving.bench_vllm import PROMPTS, _calibration_texts, _cpu, _states, _versions
 
 PROBE = ("The Eiffel Tower is located in the city of", "Rome")
 KEY = "bench-admin-key-0123456789"
@@ -65,7 +65,7 @@ def build_operators(args: argparse.Namespace, work: Path) -> Path:
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe, weight_fingerprint
     from aloe_kernels.hf import locate_down_proj
     from aloe_vllm.export import resolve_base
-    from benchmarks.vllm_inputs import random_sparse_operator
+    from benchmarks.serving.vllm_inputs import random_sparse_operator
 
     base_dir = resolve_base(args.model)
     model, tok = load_model(str(base_dir))
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     meta = {
         "benchmark": "vllm live operator swaps",
-        "command": "python -m benchmarks.bench_vllm_swap " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.serving.bench_vllm_swap " + " ".join(argv if argv is not None else sys.argv[1:]),
         "versions": _versions(),
         "cpu": _cpu(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("workdir", "out")},

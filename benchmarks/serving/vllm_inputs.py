@@ -1,4 +1,4 @@
-"""Inputs of the vLLM serving benchmark (``benchmarks/bench_vllm.py``): prompts and operators.
+"""Inputs of the vLLM serving benchmark (``benchmarks/serving/bench_vllm.py``): prompts and operators.
 
 - :data:`SAMPLE_EDITS`: twenty CounterFact records whose prompts calibrate
   (requests, rephrases) and check (unrelated prompts) the operators' gates;

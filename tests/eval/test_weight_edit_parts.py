@@ -186,25 +186,6 @@ def test_rome_maps_the_subject_key_to_its_value_and_detach_restores_the_bits(tmp
     assert torch.linalg.matrix_rank(editor.deltas[editor.layer].double(), rtol=1e-6) == 2
 
 
-def test_probe_produces_agrees_with_greedy_decoding():
-    from aloe_build.forward import greedy_generate
-    from aloe_build.tokens import encode_continuation
-    from aloe_eval.baselines.probe import produces
-
-    # tiny GPT-2 continues this prompt with a word of the tokenizer, so one case below must be true
-    model, tok = tiny_model("gpt2"), tiny_tokenizer()
-    prompt = "The capital of France is"
-    greedy = greedy_generate(model, [tok(prompt)["input_ids"]], 3, pad_id=1)[0]
-    own = tok.convert_ids_to_tokens(greedy[0])
-    words = ["Rome", "Paris", "guitar", "the", "of", "is", "and", ".", "piano", "city", own]
-    verdicts = []
-    for w in words:
-        _, t = encode_continuation(tok, prompt, w)
-        verdicts.append(produces(model, tok, prompt, w))
-        assert verdicts[-1] == (tuple(greedy[: len(t)]) == t), w
-    assert verdicts[-1] and not all(verdicts)
-
-
 def test_mean_with_se_skips_missing_values():
     from aloe_eval.metrics import mean_with_se
 

@@ -94,7 +94,7 @@ def main() -> None:
     from triton.compiler import ASTSource
 
     from aloe_kernels.ops.gate_kernels import jit_kernels
-    from benchmarks.aot_sm90 import kernel_signature
+    from benchmarks.aot.aot_sm90 import kernel_signature
 
     kernels = jit_kernels(False)
     target = GPUTarget("cuda", 90, 32)

@@ -26,7 +26,7 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     sys.path.insert(0, str(ROOT))
     from aloe_kernels.ops.stream_kernels import jit_stream_kernels
-    from benchmarks.aot_stream_sm90 import _row_key, compile_config, default_rows
+    from benchmarks.aot.aot_stream_sm90 import _row_key, compile_config, default_rows
 
     kernels = jit_stream_kernels(False)
     out = {}
