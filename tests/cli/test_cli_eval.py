@@ -185,9 +185,9 @@ def test_cli_eval_asks_after_extra_system_prompts_only_with_chat(tiny, tmp_path,
     rows = [line.split(" | ")[0] for line in first_table.splitlines()[2:]]
     assert rows == ["| default_system", "| custom_system", "| system_1"]
     assert "--chat only --chat-system 'answer in one word'" in d["meta"]["command"]
-    # the unedited answers (requests, locality and distracted locality prompts, per system prompt) are
-    # kept in the cache, and a second evaluation that reads them gives the same figures
-    assert len(list((tmp_path / "cache" / "chat-answers").glob("chat-unedited-*.json.gz"))) == 9
+    # the unedited answers (requests, locality, distracted locality and in-context requests, per system
+    # prompt) are kept in the cache, and a second evaluation that reads them gives the same figures
+    assert len(list((tmp_path / "cache" / "chat-answers").glob("chat-unedited-*.json.gz"))) == 12
     assert main(base + ["--chat", "only", "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "chat.json").read_text())
     assert {k: v for k, v in again.items() if k != "meta"} == {k: v for k, v in d.items() if k != "meta"}
