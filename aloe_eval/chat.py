@@ -285,7 +285,6 @@ def _chat_scores(
     """The metrics of one system prompt (module doc) from the edited and unedited answers, and which
     requests the edited model answered with their target (the gate diagnostics split the misses)."""
     text = [tokenizer.decode(g, skip_special_tokens=True) for g in ask]
-    base_text = [tokenizer.decode(g, skip_special_tokens=True) for g in base_ask]
     targets = [r.target_new for r in requests]
     # locality is averaged per edit first, so that an edit with many locality prompts weighs no more than one with few
     stable_by_edit: dict[int, list[bool]] = {}
@@ -297,7 +296,7 @@ def _chat_scores(
         "system": system,
         "efficacy": sum(hit) / len(hit),
         "efficacy_prefix": sum(starts_with_target(t, y) for t, y in zip(text, targets)) / len(text),
-        "unedited_efficacy": sum(contains_target(t, y) for t, y in zip(base_text, targets)) / len(text),
+        "unedited_efficacy": _target_share(tokenizer, requests, base_ask),
         "locality": (sum(sum(v) / len(v) for v in stable_by_edit.values()) / len(stable_by_edit) if stable_by_edit else None),
         # one owner per locality prompt, so this counts the prompts
         "locality_prompts": len(loc_owner),

@@ -85,6 +85,11 @@ class Registry:
         return j
 
 
+def _asked(reg: Registry, tokenizer, prompts: Sequence[str], target: str) -> list[Rephrase]:
+    """Other prompts asking for the edit's target (rewordings, the request in context), registered."""
+    return [Rephrase(text, reg.add(*encode_continuation(tokenizer, text, target))) for text in prompts]
+
+
 def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, list[EditPlan]]:
     """Register every sequence the requests need; returns the registry and one plan per edit
     (indexed from ``start``: their positions in the whole stream when this is a chunk of it)."""
@@ -93,14 +98,8 @@ def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, 
     for i, r in enumerate(requests):
         p, c = encode_continuation(tokenizer, r.prompt, r.target_new)
         seq = reg.add(p, c)
-        reph = []
-        for text in r.rephrases:
-            rp, rc = encode_continuation(tokenizer, text, r.target_new)
-            reph.append(Rephrase(text, reg.add(rp, rc)))
-        ctx = []
-        for text in request_in_context(r.prompt, start + i):
-            cp, cc = encode_continuation(tokenizer, text, r.target_new)
-            ctx.append(Rephrase(text, reg.add(cp, cc)))
+        reph = _asked(reg, tokenizer, r.rephrases, r.target_new)
+        ctx = _asked(reg, tokenizer, request_in_context(r.prompt, start + i), r.target_new)
         loc = []
         for lp in r.locality:
             gt = lp.ground_truth[0] if lp.ground_truth else None

@@ -41,7 +41,7 @@ from typing import Sequence
 from aloe_build.corpus import default_corpus_path
 from aloe_build.data import EditRequest, LocalityPrompt, load_edits, save_edits_jsonl
 
-from .in_context import IN_CONTEXT_PER_EDIT, in_context
+from .in_context import IN_CONTEXT_PER_EDIT, request_in_context
 
 REPHRASE_LOCALITY_KIND = "unedited_rephrase"
 
@@ -131,13 +131,10 @@ def counterfact_stream(data: str | Path, corpus: str | Path | None = None) -> tu
     return disjoint_stream(sources, load_edits(corpus or default_corpus_path()))
 
 
-def in_context_edits(edits: Sequence[EditRequest], per_edit: int = IN_CONTEXT_PER_EDIT) -> list[EditRequest]:
-    """Each edit with its rephrases replaced by ``per_edit`` in-context forms of its request (the
-    prefixes taken in turn over the stream) and no portability prompts; locality is kept."""
-    return [
-        dataclasses.replace(e, rephrases=in_context(e.prompt, per_edit, per_edit * i), portability=())
-        for i, e in enumerate(edits)
-    ]
+def in_context_edits(edits: Sequence[EditRequest]) -> list[EditRequest]:
+    """Each edit with its rephrases replaced by the in-context forms of its request that ``aloe eval``
+    scores (:func:`aloe_eval.in_context.request_in_context`) and no portability prompts; locality is kept."""
+    return [dataclasses.replace(e, rephrases=request_in_context(e.prompt, i), portability=()) for i, e in enumerate(edits)]
 
 
 def rephrase_locality_edits(records: Sequence[EditRequest], limit: int) -> list[EditRequest]:
