@@ -59,6 +59,7 @@ from aloe_kernels import weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 
 from ..content_key import content_key
+from .peak_memory import peak_memory_mb
 from .weight_delta import WeightDeltaEditor
 
 __all__ = ["FTM_CACHE", "FtmSettings", "fit_ft_m", "ftm_layer"]
@@ -148,6 +149,7 @@ def fit_ft_m(
         "delta_norm": float(delta.norm()),
         "fit_s": time.perf_counter() - t0,
         "resumed_edits": resumed,
+        "peak_memory_mb": peak_memory_mb(),
     }
     return WeightDeltaEditor(NAME, "ft-m", {layer: delta}, info)
 

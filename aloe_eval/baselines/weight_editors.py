@@ -5,14 +5,13 @@ resumes where the last one stopped."""
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from torch import nn
 
+from .peak_memory import peak_memory_mb
 from .weight_delta import WeightDeltaEditor
 
 #: the names ``--baseline`` accepts for the weight editors
@@ -40,12 +39,6 @@ def corpus_second_moments(model: nn.Module, tokenizer, layers: Sequence[int]) ->
     corpus = load_edits(default_corpus_path(), limit=SECOND_MOMENT_RECORDS)
     texts = [f"{r.prompt} {r.ground_truth or ''}".strip() for r in corpus]
     return {layer: cached_second_moment(model, tokenizer, texts, layer, weight_edit_cache()) for layer in layers}
-
-
-def peak_memory_mb() -> float:
-    """The process's peak resident memory so far, in MiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def fit_weight_editor(

@@ -72,6 +72,7 @@ from aloe_kernels.hf import locate_down_proj
 
 from ..content_key import content_key
 from ..editors import Editor
+from .peak_memory import peak_memory_mb
 from .wise_checkpoint import WiseCheckpoint, WiseState
 from .wise_router import LONG_SEQUENCE, WiseDownProj
 
@@ -257,6 +258,7 @@ def fit_wise(
         "lower_layers_once": upper_used,
         "fit_s": time.perf_counter() - t0,
         "resumed_edits": resumed,
+        "peak_memory_mb": peak_memory_mb(),
     }
     return WiseEditor(layer, state, config, act_name, info)
 

@@ -108,6 +108,7 @@ def test_an_interrupted_fit_resumes_after_its_last_saved_edit(tiny, tmp_path, mo
     calls.clear()
     resumed = fit_ft_m(model, tok, reqs, settings, checkpoint_dir=tmp_path, checkpoint_every=1)
     assert len(calls) == len(reqs) - 1 and resumed.info()["resumed_edits"] == 1
+    assert resumed.info()["peak_memory_mb"] > 0  # the fit records the process peak, as the weight editors do
     assert torch.equal(resumed.deltas[LAYER], whole.deltas[LAYER])
     assert resumed.state_key() == whole.state_key()
 

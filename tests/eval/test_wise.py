@@ -217,6 +217,7 @@ def test_an_interrupted_wise_fit_resumes_with_the_same_numbers(tiny, tmp_path, m
     calls.clear()
     resumed = fit_wise(model, tok, reqs, cfg, checkpoint_dir=tmp_path, checkpoint_every=1, **kw)
     assert len(calls) == len(reqs) - 2 and resumed.info()["resumed_edits"] == 2
+    assert resumed.info()["peak_memory_mb"] > 0  # the fit records the process peak, as the weight editors do
     assert len(whole.state.memories) == 1  # the first two edits saved and merged as one shard
     assert torch.equal(resumed.state.side, whole.state.side)
     assert all(torch.equal(a, b) for a, b in zip(resumed.state.memories, whole.state.memories))
