@@ -282,9 +282,11 @@ def _add_baseline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
         action="append",
-        choices=["grace", "unedited", *WEIGHT_EDITORS, "ft-m", "wise"],
+        choices=["grace", "unedited", "told", *WEIGHT_EDITORS, "ft-m", "wise"],
         default=None,
-        help="also score this baseline on the same model and stream (repeatable): GRACE on the same layer (its "
+        help="also score this baseline on the same model and stream (repeatable): told, the unedited model asked "
+        "every prompt of an edit after its statement ('<request> <target>. <prompt>', also in chat), reported as "
+        "'unedited, told the fact'; GRACE on the same layer (its "
         "values saved under $ALOE_CACHE/grace after each batch); ROME, MEMIT or AlphaEdit, the weight editors, on "
         "their own early layers (their target values cached under $ALOE_CACHE/weight-edits); FT-M, sequential "
         "fine-tuning of one down-projection (layer 8 of 30, saved under $ALOE_CACHE/ft-m as it goes); WISE, a "

@@ -13,6 +13,11 @@ tokens. Metrics, per system prompt:
   turn is the request after one unrelated sentence (the first of the plain protocol's two in-context
   forms, :func:`aloe_eval.in_context.request_in_context`).
 
+The told control (:class:`aloe_eval.editors.ToldEditor`) is the unedited model asked each of these
+user turns with its edit's statement as the first sentence ("<request> <target>. <question>"); its
+locality answers are compared with the unedited model's answers to the plain questions, and it has
+no distracted locality (``None``: its questions already follow the statement).
+
 For an editor with slots (ALOE), ``locality_changes`` says which gates changed the locality answers
 that changed (:func:`changed_locality_gates`), and ``gates`` holds the own slot's gate at the last prompt token (the
 template's assistant header, where the answer starts): its mean, the share of requests where it is
@@ -22,7 +27,7 @@ gate is not open) or ``write`` (it is, and the answer still lacks the target).
 
 from __future__ import annotations
 
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 import torch
 
@@ -32,10 +37,10 @@ from aloe_build.tokens import chat_prompt, common_prefix_length, pad_id, stop_id
 
 from .chunks import ChunkStore
 from .content_key import content_key
-from .editors import Editor
+from .editors import Editor, ToldEditor
 from .in_context import request_in_context
 from .metrics import contains_target, starts_with_target
-from .plan import statement
+from .plan import distracted_prompt, statement
 
 CHAT_TOKENS = 32
 #: Bump when what a saved answer list holds changes, so that older files are generated again.
@@ -229,6 +234,13 @@ def chat_evaluation(
     given (a cache shared by every evaluation of the model), else in ``parts``."""
     systems = SYSTEMS if systems is None else systems
     out: dict[str, Any] = {"tokens": tokens, "edits": len(requests)}
+    told = isinstance(editor, ToldEditor)
+
+    def tell(owners: Iterable[int], questions: Sequence[str]) -> list[str]:
+        """The questions the editor is asked: for the told control each after its edit's statement, in
+        the same user turn; for any other editor the questions themselves."""
+        return [distracted_prompt(requests[o], q) if told else q for o, q in zip(owners, questions)]
+
     for name, system in systems.items():
         asks = [r.prompt for r in requests]
         in_ctx = [request_in_context(r.prompt, i)[0] for i, r in enumerate(requests)]
@@ -250,19 +262,24 @@ def chat_evaluation(
 
         base_ask = answers("unedited requests", edited=False)
         base_loc = answers("unedited locality", locs, edited=False)
-        base_dis = answers("unedited distracted locality", distracted, edited=False)
+        # the told control has no distracted answers: its locality questions already follow the statement
+        base_dis = None if told else answers("unedited distracted locality", distracted, edited=False)
         base_ctx = answers("unedited in-context requests", in_ctx, edited=False)
         editor.attach(model)
         try:
-            ask, loc = answers("edited requests"), answers("edited locality", locs)
-            dis = answers("edited distracted locality", distracted)
-            ctx = answers("edited in-context requests", in_ctx)
+            ask = answers("edited requests", tell(range(len(requests)), asks))
+            loc = answers("edited locality", tell(loc_owner, locs))
+            dis = None if told else answers("edited distracted locality", distracted)
+            ctx = answers("edited in-context requests", tell(range(len(requests)), in_ctx))
         finally:
             editor.detach(model)
         out[name], hit = _chat_scores(tokenizer, requests, system, ask, base_ask, loc, base_loc, loc_owner)
         out[name]["in_context_efficacy"] = _target_share(tokenizer, requests, ctx)
         out[name]["unedited_in_context_efficacy"] = _target_share(tokenizer, requests, base_ctx)
-        out[name].update(_distracted_scores(tokenizer, requests, dis, base_dis, loc_owner))
+        if dis is not None and base_dis is not None:
+            out[name].update(_distracted_scores(tokenizer, requests, dis, base_dis, loc_owner))
+        else:
+            out[name].update({"distracted_locality": None, "distracted_leak": None})
         if editor.has_slots and editor.layer is not None:
             out[name].update(
                 _chat_gate_diagnostics(

@@ -30,6 +30,11 @@ METRIC_DEFINITIONS: dict[str, str] = {
     "prompt, so that copying from the context cancels out; mean per edit, then over edits",
     "paper.distracted_leak": "share of those prompts whose answer changed and now contains the edit's target, where "
     "the unedited model's answer did not; mean per edit, then over edits",
+    "told": "the row 'unedited, told the fact' (--baseline told): the unedited model, no weight changed, asked every "
+    "prompt of an edit after the edit's statement ('<request> <target>. <prompt>'); its paper.locality compares the "
+    "answer to '<statement> <locality prompt>' with the unedited answer to the plain locality prompt (what telling "
+    "the fact changes in an unrelated answer), and it has no distracted locality (–): that would compare the "
+    "unedited model with itself on the same prompts",
     "paper.portability": "exact match of the greedy generation to any accepted answer; mean per edit, then over edits",
     "easyedit.rewrite_acc": "EasyEdit teacher-forced token accuracy on prompt + ' ' + target_new",
     "easyedit.rephrase_acc": "EasyEdit teacher-forced token accuracy on rephrase + ' ' + target_new",

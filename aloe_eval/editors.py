@@ -63,10 +63,8 @@ class Editor:
         return None
 
 
-class UneditedEditor(Editor):
-    """The model as it is: its numbers are the unedited baseline."""
-
-    name = "unedited"
+class _UnpatchedEditor(Editor):
+    """An editor that leaves the model's weights alone (attach and detach do nothing)."""
 
     def __init__(self, layer: int | None = None):
         self.layer = layer
@@ -77,8 +75,36 @@ class UneditedEditor(Editor):
     def detach(self, model: nn.Module) -> None:
         pass
 
+
+class UneditedEditor(_UnpatchedEditor):
+    """The model as it is: its numbers are the unedited baseline."""
+
+    name = "unedited"
+
     def state_key(self) -> str:
         return "unedited"
+
+
+#: The report's name for the in-context control (:class:`ToldEditor`).
+TOLD_NAME = "unedited, told the fact"
+
+
+class ToldEditor(_UnpatchedEditor):
+    """The in-context control: the unedited model, no weight changed, asked every prompt of an edit
+    after that edit's statement ("<request> <target>. <prompt>", :func:`aloe_eval.plan.told_plan`),
+    its locality answers compared with the unedited model's answers to the plain prompts. It is what
+    an edit is measured against: the new fact given in the context instead of written into weights.
+    The evaluation recognizes it by its class and scores it on the told prompts."""
+
+    name = TOLD_NAME
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": "told", "prompts": "<request> <target>. <prompt>"}
+
+    def state_key(self) -> str:
+        # the same weights as the unedited model, asked other prompts: its answers must never be read
+        # back as the unedited model's (nor theirs as its)
+        return "told"
 
 
 class AloeEditor(Editor):

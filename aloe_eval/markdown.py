@@ -64,6 +64,12 @@ def _paper_lines(eds: Mapping[str, Any]) -> list[str]:
         cells = [p["efficacy"], p["generalization"], p.get("in_context"), p["locality"], p["portability"]]
         lines.append(f"| {name} | " + " | ".join(_f(v) for v in cells) + " |")
     for name, e in eds.items():
+        if e["info"].get("kind") == "told":  # its Loc. is another comparison than the other rows'
+            lines.append(
+                f"\n{name}: the unedited model asked every prompt after the edit's statement; its Loc. compares "
+                'the answer to "<statement> <locality prompt>" with the unedited answer to the plain prompt.'
+            )
+    for name, e in eds.items():
         left_out = e["summary"]["counts"].get("locality_prompts_edited_in_stream")
         if left_out:
             lines.append(

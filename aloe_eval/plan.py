@@ -60,8 +60,9 @@ def statement(request: Any) -> str:
 
 
 def distracted_prompt(request: Any, question: str) -> str:
-    """A locality prompt asked after the edit's statement (the edited fact mentioned earlier in the
-    context, as in a conversation or a retrieved passage)."""
+    """A prompt asked after the edit's statement (the edited fact mentioned earlier in the context,
+    as in a conversation or a retrieved passage): a locality prompt for distracted locality, any
+    prompt of the edit for the told control (:func:`told_plan`)."""
     return f"{statement(request)} {question}"
 
 
@@ -90,37 +91,78 @@ def _asked(reg: Registry, tokenizer, prompts: Sequence[str], target: str) -> lis
     return [Rephrase(text, reg.add(*encode_continuation(tokenizer, text, target))) for text in prompts]
 
 
+def _locality(reg: Registry, tokenizer, lp: Any) -> Locality:
+    """A locality prompt of the data, its teacher-forced ground truth registered (EasyEdit's)."""
+    gt = lp.ground_truth[0] if lp.ground_truth else None
+    pids = tuple(encode_prompt(tokenizer, lp.prompt))
+    if gt is None:
+        return Locality(lp.prompt, lp.kind, gt, pids, LOCALITY_DEFAULT_TOKENS, None)
+    gp, gc = encode_continuation(tokenizer, lp.prompt, gt)
+    k = max(1, min(len(gc), LOCALITY_MAX_TOKENS))
+    return Locality(lp.prompt, lp.kind, gt, pids, k, reg.add(gp, gc))
+
+
+def _portability(reg: Registry, tokenizer, prompt: str, kind: str, answers: Sequence[str]) -> Portability:
+    """A portability prompt with its accepted answers, the first one's sequence registered."""
+    enc = [encode_continuation(tokenizer, prompt, a) for a in answers]
+    return Portability(prompt, kind, tuple(answers), reg.add(*enc[0]), tuple(e[1] for e in enc))
+
+
 def plan(tokenizer, requests: Sequence[Any], start: int = 0) -> tuple[Registry, list[EditPlan]]:
     """Register every sequence the requests need; returns the registry and one plan per edit
     (indexed from ``start``: their positions in the whole stream when this is a chunk of it)."""
     reg = Registry()
     plans = []
     for i, r in enumerate(requests):
-        p, c = encode_continuation(tokenizer, r.prompt, r.target_new)
-        seq = reg.add(p, c)
+        seq = reg.add(*encode_continuation(tokenizer, r.prompt, r.target_new))
         reph = _asked(reg, tokenizer, r.rephrases, r.target_new)
         ctx = _asked(reg, tokenizer, request_in_context(r.prompt, start + i), r.target_new)
-        loc = []
-        for lp in r.locality:
-            gt = lp.ground_truth[0] if lp.ground_truth else None
-            pids = tuple(encode_prompt(tokenizer, lp.prompt))
-            if gt is not None:
-                gp, gc = encode_continuation(tokenizer, lp.prompt, gt)
-                k = max(1, min(len(gc), LOCALITY_MAX_TOKENS))
-                tf_seq = reg.add(gp, gc)
-            else:
-                k, tf_seq = LOCALITY_DEFAULT_TOKENS, None
-            loc.append(Locality(lp.prompt, lp.kind, gt, pids, k, tf_seq))
+        loc = [_locality(reg, tokenizer, lp) for lp in r.locality]
         distracted = []
         for lp in loc:  # compared by generation only: the same k tokens, no teacher-forced ground truth
             text = distracted_prompt(r, lp.prompt)
             distracted.append(Locality(text, lp.kind, lp.ground_truth, tuple(encode_prompt(tokenizer, text)), lp.k, None))
-        port = []
-        for pp in r.portability:
-            if not pp.ground_truth:
-                continue
-            enc = [encode_continuation(tokenizer, pp.prompt, a) for a in pp.ground_truth]
-            seq_p = reg.add(*enc[0])
-            port.append(Portability(pp.prompt, pp.kind, tuple(pp.ground_truth), seq_p, tuple(e[1] for e in enc)))
+        port = [_portability(reg, tokenizer, pp.prompt, pp.kind, pp.ground_truth) for pp in r.portability if pp.ground_truth]
         plans.append(EditPlan(start + i, r, seq, reph, loc, port, distracted, ctx))
     return reg, plans
+
+
+def told_plan(tokenizer, reg: Registry, plans: Sequence[EditPlan]) -> tuple[Registry, list[EditPlan], dict[int, int]]:
+    """The in-context control of ``plans``: every prompt of an edit asked after the edit's statement
+    (:func:`distracted_prompt`: "<statement> <request>", "<statement> <rephrase>", "<statement>
+    <unrelated sentence> <request>", "<statement> <portability prompt>", "<statement> <locality
+    prompt>"), in a registry of its own. Needs the plain plans' reference continuations
+    (``Locality.gen_seq``, set by :func:`aloe_eval.scoring.build_reference`).
+
+    Returns the registry, one plan per edit (no distracted prompts: every locality prompt already
+    follows the statement) and, for each told locality sequence, the plain sequence it stands for:
+    the told prompt continues with the plain prompt's unedited answer (and ground truth), so that
+    locality counts what telling the fact changes in the answer to the plain question."""
+    told = Registry()
+    plain_of: dict[int, int] = {}
+    out = []
+    for p in plans:
+        r = p.request
+        seq = told.add(*encode_continuation(tokenizer, distracted_prompt(r, r.prompt), r.target_new))
+        reph = _asked(told, tokenizer, [distracted_prompt(r, x.prompt) for x in p.rephrases], r.target_new)
+        ctx = _asked(told, tokenizer, [distracted_prompt(r, x.prompt) for x in p.in_context], r.target_new)
+        loc = [_told_locality(told, tokenizer, reg, r, lp, plain_of) for lp in p.locality]
+        port = [_portability(told, tokenizer, distracted_prompt(r, pp.prompt), pp.kind, pp.answers) for pp in p.portability]
+        out.append(EditPlan(p.index, r, seq, reph, loc, port, [], ctx))
+    return told, out, plain_of
+
+
+def _told_locality(told: Registry, tokenizer, reg: Registry, request: Any, lp: Locality, plain_of: dict[int, int]) -> Locality:
+    """Locality prompt ``lp`` (of ``reg``) after the statement of ``request``, registered in ``told`` with
+    the plain prompt's continuations; ``plain_of`` records which plain sequence each one stands for."""
+    if lp.gen_seq is None:
+        raise ValueError("the told plan needs the plain plan's locality references: run build_reference first")
+    text = distracted_prompt(request, lp.prompt)
+    ids = tuple(encode_prompt(tokenizer, text))
+    gen = told.add(ids, reg.seqs[lp.gen_seq][1], hidden=True)
+    plain_of[gen] = lp.gen_seq
+    tf = None
+    if lp.tf_seq is not None:
+        tf = told.add(ids, reg.seqs[lp.tf_seq][1])
+        plain_of[tf] = lp.tf_seq
+    return Locality(text, lp.kind, lp.ground_truth, ids, lp.k, tf, gen)

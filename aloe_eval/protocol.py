@@ -101,10 +101,10 @@ from aloe_kernels.hf import find_aloe_modules
 from .baselines.weight_editors import WEIGHT_EDITORS
 from .chunks import ChunkStore, chunk_bounds, chunk_key, merge_results
 from .definitions import LOCALITY_DEFAULT_TOKENS, LOCALITY_MAX_TOKENS, PORTABILITY_MAX_TOKENS
-from .editors import AloeEditor, Editor, UneditedEditor, as_editor
+from .editors import AloeEditor, Editor, ToldEditor, UneditedEditor, as_editor
 from .plan import plan
 from .report import EditorResult, EvalReport, jsonable
-from .scoring import build_reference, score_editor
+from .scoring import build_reference, score_editor, told_inputs
 
 
 def evaluate(
@@ -134,10 +134,10 @@ def evaluate(
             are wanted.
         batch_size: sequences per forward pass.
         progress: show tqdm bars on stderr.
-        baseline: further editors on the same model, layer and stream:
-            ``"unedited"``, ``"grace"``, ``"rome"``, ``"memit"``, ``"alphaedit"``
-            (reimplementations in :mod:`aloe_eval.baselines`, fitted here on
-            ``requests``), an :class:`Editor`, or a list of these.
+        baseline: further editors on the same model, layer and stream: ``"unedited"``, ``"told"``
+            (the unedited model told each fact first, :class:`ToldEditor`), ``"grace"``, ``"rome"``,
+            ``"memit"``, ``"alphaedit"``, ``"ft-m"``, ``"wise"`` (:mod:`aloe_eval.baselines`, fitted
+            here on ``requests``), an :class:`Editor`, or a list of these.
         layer: the edited layer for baselines (default: the operator's layer,
             else ``aloe_build.models.default_layer(model)``).
         open_threshold: a gate counts as open at or above this value.
@@ -232,7 +232,6 @@ def _score_in_chunks(
     """Every editor scored on the stream, ``chunk_edits`` edits at a time, each chunk read back
     from or saved to ``parts_dir``; returns the merged results, the sequences scored in this call
     and the number of chunks."""
-    pad, stops = tokenizer_pad_id(tokenizer), stop_ids(tokenizer)
     store = ChunkStore(parts_dir) if parts_dir is not None else None
     bounds = chunk_bounds(len(requests), chunk_edits)
     pieces: list[dict[str, EditorResult]] = []
@@ -243,26 +242,18 @@ def _score_in_chunks(
         if piece is None:
             if progress and len(bounds) > 1:
                 print(f"evaluation: chunk {k + 1}/{len(bounds)} (edits {lo}-{hi - 1})", file=sys.stderr)
-            reg, plans = plan(tokenizer, requests[lo:hi], start=lo)
-            ref = build_reference(
-                model, reg, plans, pad_id=pad, stops=stops, batch_size=batch_size, progress=progress, timings=timings
+            piece, n = _score_chunk(
+                model,
+                tokenizer,
+                requests[lo:hi],
+                lo,
+                editors,
+                batch_size=batch_size,
+                progress=progress,
+                open_threshold=open_threshold,
+                timings=timings,
             )
-            piece = {
-                ed.name: score_editor(
-                    model,
-                    tokenizer,
-                    ed,
-                    reg,
-                    plans,
-                    ref,
-                    pad_id=pad,
-                    batch_size=batch_size,
-                    progress=progress,
-                    open_threshold=open_threshold,
-                )
-                for ed in editors
-            }
-            sequences += len(reg.seqs)
+            sequences += n
             if store is not None:
                 store.put(k, key, piece)
         pieces.append(piece)
@@ -274,6 +265,43 @@ def _score_in_chunks(
             info = results[ed.name].info
             info["timings"] = {"fit_s": ed.fit_seconds, **info["timings"]}
     return results, sequences, len(bounds)
+
+
+def _score_chunk(
+    model,
+    tokenizer,
+    requests: list,
+    start: int,
+    editors: list[Editor],
+    *,
+    batch_size: int,
+    progress: bool,
+    open_threshold: float,
+    timings: dict[str, float],
+) -> tuple[dict[str, EditorResult], int]:
+    """Every editor scored on the edits ``requests`` (from position ``start`` of the stream); returns
+    the results by editor name and the number of sequences scored."""
+    pad, stops = tokenizer_pad_id(tokenizer), stop_ids(tokenizer)
+    reg, plans = plan(tokenizer, requests, start=start)
+    ref = build_reference(model, reg, plans, pad_id=pad, stops=stops, batch_size=batch_size, progress=progress, timings=timings)
+    inputs = {False: (reg, plans, ref)}
+    if any(isinstance(ed, ToldEditor) for ed in editors):
+        # the told control asks other prompts (each after its edit's statement): a plan of its own
+        inputs[True] = told_inputs(tokenizer, reg, plans, ref)
+    piece = {
+        ed.name: score_editor(
+            model,
+            tokenizer,
+            ed,
+            *inputs[isinstance(ed, ToldEditor)],
+            pad_id=pad,
+            batch_size=batch_size,
+            progress=progress,
+            open_threshold=open_threshold,
+        )
+        for ed in editors
+    }
+    return piece, sum(len(r.seqs) for r, _, _ in inputs.values())
 
 
 def _editors(
@@ -322,13 +350,15 @@ def fit_baseline(
     batch_size: int = 32,
     progress: bool = False,
 ) -> Editor:
-    """The baseline ``name`` ready to attach: ``"unedited"``, or ``"grace"`` (at ``layer``), a weight
-    editor, ``"ft-m"`` or ``"wise"`` (each on its own layers) fitted on ``requests``, its fitting time in
-    ``fit_seconds``."""
+    """The baseline ``name`` ready to attach: ``"unedited"``, ``"told"`` (the unedited model asked each
+    prompt after its edit's statement), or ``"grace"`` (at ``layer``), a weight editor, ``"ft-m"`` or
+    ``"wise"`` (each on its own layers) fitted on ``requests``, its fitting time in ``fit_seconds``."""
     key = name.lower()
     t = time.perf_counter()
     if key in ("unedited", "none", "base"):
         return UneditedEditor(layer)
+    if key == "told":  # nothing to fit: the unedited model, told each fact in its prompts
+        return ToldEditor(layer)
     if key == "grace":
         from aloe_build.models import cache_root
 
@@ -362,7 +392,7 @@ def fit_baseline(
 
         editor = fit_wise(model, tokenizer, list(requests), progress=progress, checkpoint_dir=cache_root() / WISE_CACHE)
     else:
-        known = ", ".join(map(repr, ("unedited", "grace", *WEIGHT_EDITORS, "ft-m", "wise")))
+        known = ", ".join(map(repr, ("unedited", "told", "grace", *WEIGHT_EDITORS, "ft-m", "wise")))
         raise ValueError(f"unknown baseline {name!r}: expected one of {known} or an Editor")
     editor.fit_seconds = time.perf_counter() - t
     return editor

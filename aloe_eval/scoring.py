@@ -17,7 +17,7 @@ from aloe_build.tokens import until_end
 from .definitions import PORTABILITY_MAX_TOKENS
 from .editors import Editor, UneditedEditor
 from .metrics import contains_target, exact_match, mean, relative_drift, token_accuracy
-from .plan import EditPlan, Registry
+from .plan import EditPlan, Registry, told_plan
 from .report import EditorResult
 from .summary import gate_plot_data, heatmap, pca, summarize
 
@@ -81,6 +81,17 @@ def build_reference(
     ref.cache.update(zip(need, res))
     timings["reference_s"] = timings.get("reference_s", 0.0) + time.perf_counter() - t0
     return ref
+
+
+def told_inputs(tokenizer, reg: Registry, plans: list[EditPlan], ref: Reference) -> tuple[Registry, list[EditPlan], Reference]:
+    """The registry, plans and reference the told control is scored on (:func:`aloe_eval.plan.told_plan`),
+    from the plain ones after :func:`build_reference`. Each told locality sequence's reference is the
+    unedited result of the plain sequence it stands for: its locality compares the answer after the
+    statement with the answer to the plain prompt (against itself it would be 1 by construction)."""
+    told_reg, told_plans, plain_of = told_plan(tokenizer, reg, plans)
+    told_ref = Reference()
+    told_ref.cache = {j: ref.cache[i] for j, i in plain_of.items()}
+    return told_reg, told_plans, told_ref
 
 
 def score_editor(
