@@ -10,7 +10,9 @@ the same subject asked another relation); ``neighbour`` (the locality prompt alo
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -77,3 +79,10 @@ def slice_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--l2", type=int, default=22, help="the edited layer, where the address reads")
     ap.add_argument("--out", required=True, help="JSON file to write")
     return ap
+
+
+def save_result(result: dict, module: str, argv: list[str] | None, out: str) -> None:
+    """Write a probe's ``result`` to ``out`` as JSON, with the command that produced it."""
+    result["command"] = " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
