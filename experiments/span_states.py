@@ -88,15 +88,17 @@ def span_readings(model, tok, texts, layers, batch: int = 16) -> dict[int, dict[
 
 def asked_edit(rows, edits) -> list[int | None]:
     """Per row, the edit whose fact the prompt asks (its request, rewording, or request after any
-    preceding text, another edit's statement included), else None."""
-    requests = {e.prompt: i for i, e in enumerate(edits)}
+    preceding text, another edit's statement included), else None. A distracted prompt asks the edit
+    whose request it ends with (matched whole: a request may hold a sentence end, "Andrew F. Warga")."""
     asked = []
     for i, kind, text in rows:
         if kind in ("request", "rephrase", "in_context"):
             asked.append(i)
+        elif kind == "distracted":
+            ends = [j for j, e in enumerate(edits) if text.endswith(" " + e.prompt)]
+            asked.append(max(ends, key=lambda j: len(edits[j].prompt)) if ends else None)
         else:
-            tail = re.split(SENTENCE_END, text.rstrip())[-1]
-            asked.append(requests.get(tail) if kind == "distracted" else None)
+            asked.append(None)
     return asked
 
 

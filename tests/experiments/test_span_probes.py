@@ -37,6 +37,9 @@ def test_a_prompt_asks_the_edit_whose_request_ends_it():
         (1, "neighbour", "John Lennon plays the"),
     ]
     assert asked_edit(rows, EDITS) == [0, 0, 1, None, None, None]
+    initials = [EditRequest(prompt="Which position did Andrew F. Warga hold?", target_new="mayor", subject="Andrew F. Warga")]
+    stated = [(0, "distracted", "The capital of France is Rome. Which position did Andrew F. Warga hold?")]
+    assert asked_edit(stated, EDITS + initials) == [2]  # a sentence end inside the request is not its start
 
 
 def test_span_readings_pool_only_the_question_after_a_statement():
