@@ -40,32 +40,30 @@ from .span_states import READINGS, asked_edit, span_readings
 SHARED_RECORDS = 1000
 
 
-def training_prompts(edits, corpus, seed: int = 0) -> tuple[list[str], list[int], list[int]]:
-    """Texts, and per text the edit it is a positive of (-1: none) and the edit whose own negative it is
-    (-1: shared)."""
+def training_prompts(edits, corpus, seed: int = 0) -> tuple[list[str], list[int]]:
+    """Texts, and per text the edit it is a positive of (-1: a negative of every edit)."""
     rng = random.Random(seed)
-    texts, pos_of, neg_of = [], [], []
+    texts, pos_of = [], []
 
-    def add(items, pos: int, neg: int) -> None:
+    def add(items, pos: int) -> None:
         for t in items:
             texts.append(t)
             pos_of.append(pos)
-            neg_of.append(neg)
 
     for i, e in enumerate(edits):
         template = e.template
         group = corpus.group_of_template.get(template) if template else None
-        add([e.prompt, *corpus.prefixed_prompts(e.prompt, 4, rng)], i, -1)
+        add([e.prompt, *corpus.prefixed_prompts(e.prompt, 4, rng)], i)
         if template:
-            add(corpus.same_relation_prompts(template, e.subject, 8, rng), i, -1)
+            add(corpus.same_relation_prompts(template, e.subject, 8, rng), i)
             others = corpus.other_subject_prompts(template, e.subject, 8, rng)
-            add(others, -1, i)
-            add([f"{fact_statement(e.prompt, e.target_new)} {q}" for q in others[:4]], -1, i)
+            add(others, -1)
+            add([f"{fact_statement(e.prompt, e.target_new)} {q}" for q in others[:4]], -1)
         if group is not None:
-            add(corpus.other_relation_prompts(e.subject, group, 8, rng), -1, i)
+            add(corpus.other_relation_prompts(e.subject, group, 8, rng), -1)
     for it in corpus.items[:SHARED_RECORDS]:
-        add([it.request, it.paraphrase, it.locality], -1, -1)
-    return texts, pos_of, neg_of
+        add([it.request, it.paraphrase, it.locality], -1)
+    return texts, pos_of
 
 
 def fit_addresses(x: torch.Tensor, pos_of: list[int], n_edits: int, steps: int = 300, decay: float = 1e-4):
@@ -147,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     edits = load_edits(args.edits, skip_invalid=args.skip_invalid)[args.start : args.start + args.n]
     model, tok = load_model(args.model)
     corpus, _ = load_corpus(None, limit=4000, same_subject=8, seed=0)
-    texts, pos_of, _ = training_prompts(edits, corpus)
+    texts, pos_of = training_prompts(edits, corpus)
     rows = scope_prompts(edits)
     asked = asked_edit(rows, edits)
     tag = f"{Path(args.edits).stem}_{args.start}_{args.n}"

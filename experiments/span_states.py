@@ -121,8 +121,8 @@ def score(rows, asked, request_rows, reading: torch.Tensor) -> dict[str, float |
     if after:
         own = asked_t[after]
         out["request_after_statement/clears_all"] = float((sims[after, own] > ceiling[own]).double().mean())
+    pos = [float(sims[k, i]) for k, (i, kd, _) in enumerate(rows) if kd in ("rephrase", "in_context")]
     for kind in ("distracted", "same_subject", "neighbour"):
-        pos = [float(sims[k, i]) for k, (i, kd, _) in enumerate(rows) if kd in ("rephrase", "in_context")]
         neg = [float(sims[k, i]) for k, (i, kd, _) in enumerate(rows) if kd == kind and asked[k] is None]
         out[f"auc_positives_vs_own_{kind}"] = auc(pos, neg)
     return out
