@@ -121,6 +121,8 @@ def append_edits(
     cfg = config or BuildConfig.from_dict(state.config)
     if cfg.layer is not None and op.layer is not None and cfg.layer != op.layer:
         raise BuildError(f"the operator edits layer {op.layer}; config.layer is {cfg.layer}")
+    if cfg.reading_decay != op.reading_decay:
+        raise BuildError(f"the operator's gates read with decay {op.reading_decay}; config.reading_decay is {cfg.reading_decay}")
     cfg = BuildConfig.from_dict({**cfg.to_dict(), "layer": op.layer})
     used = {str(i) for e in op.edits for i in [e.get("id"), *(e.get("ids") or [])] if i is not None}
     new = _with_ids(plan.new, used)

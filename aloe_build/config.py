@@ -20,6 +20,8 @@ import functools
 import warnings
 from typing import Any
 
+from aloe_kernels.reading import check_decay
+
 from .system_prompts import GENERIC_SYSTEM_PROMPTS
 
 #: Stage numbers of the paper's Method section.
@@ -301,6 +303,16 @@ class BuildConfig:
     layer: int | None = _at(0, None, "Edited decoder layer; None: the model family's default.")
     seed: int = _at(0, 0, "Seed of every random choice of the build.")
     batch_size: int = _at(0, 32, "Prompts per forward pass when collecting states.")
+    reading_decay: float = _at(
+        0,
+        0.0,
+        (
+            "What the gates read (aloe_kernels.reading): 0, the state at the current token; d in (0, 1), "
+            "the running mean of every token's unit state so far, each earlier token weighing d times the "
+            "next, so that the whole question asked, not its last token, addresses the edit."
+        ),
+        before=0.0,
+    )
     compute_dtype: str = _at(6, "float32", "'bfloat16' runs the write stages (6, 8) under autocast.")
 
     encoder_corpus: str | None = _at(
@@ -444,6 +456,11 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         from .forward import autocast_dtype  # the one list of pass precisions
+
+        try:
+            self.reading_decay = check_decay(self.reading_decay)
+        except ValueError as err:
+            raise ValueError(f"BuildConfig: {err}") from None
 
         for name in ("compute_dtype", "negatives_dtype"):
             try:

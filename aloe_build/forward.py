@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from aloe_kernels.hf import locate_down_proj, written_from
+from aloe_kernels.reading import reading_of
 from aloe_kernels.reference import normalize_rows
 from aloe_kernels.screened import fast_bf16_cpu
 
@@ -152,9 +153,9 @@ def teacher_forced(
     # the inputs of the output head ("final"), of the editor's layer ("h") and of states_layer ("states")
     handles = [_keep_input(model.get_output_embeddings(), state, "final")]
     if slots:
-        handles.append(_keep_input(locate_down_proj(model, editor.layer).module, state, "h"))
+        handles.append(_keep_read_input(model, editor.layer, state, "h"))
     if states_layer is not None:
-        handles.append(_keep_input(locate_down_proj(model, states_layer).module, state, "states"))
+        handles.append(_keep_read_input(model, states_layer, state, "states"))
     bar = progress_bar(n, desc, progress)
     try:
         with torch.inference_mode():
@@ -197,6 +198,17 @@ def _keep_input(module: nn.Module, box: dict[str, Any], key: str):
     return module.register_forward_hook(lambda _m, args, _o: box.__setitem__(key, args[0].detach()))
 
 
+def _keep_read_input(model: nn.Module, layer: int, box: dict[str, Any], key: str):
+    """:func:`_keep_input` of layer ``layer``'s down-projection, as its gates read it (the running
+    reading where the model tracks one, :mod:`aloe_kernels.reading`)."""
+
+    def keep(_m, args, _o):
+        reading = reading_of(model)
+        box[key] = args[0].detach() if reading is None else reading.read(args[0])
+
+    return locate_down_proj(model, layer).module.register_forward_hook(keep)
+
+
 def _tf_row(logp: torch.Tensor, cont_ids: Sequence[int], kmax: int) -> TFResult:
     """Argmax predictions and mean NLL of one row's continuation from the last ``kmax + 1`` log-probabilities."""
     k = len(cont_ids)
@@ -227,17 +239,20 @@ class StopForward(Exception):
 
 
 @contextlib.contextmanager
-def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True) -> Iterator[dict]:
-    """Within the context, every forward stores the down-projection input under ``box["h"]``.
+def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True, raw: bool = False) -> Iterator[dict]:
+    """Within the context, every forward stores the down-projection input under ``box["h"]`` (where the
+    model tracks a running reading, :mod:`aloe_kernels.reading`, the reading: what the gates see).
 
     While ``box["stop"]`` (``stop`` at first; a caller may change it between passes) the forward
-    is cut right after the capture (use :func:`aloe_build.states.run_captured`).
+    is cut right after the capture (use :func:`aloe_build.states.run_captured`). ``raw``: the input
+    itself even where the model tracks a reading (a caller that computes the reading its own way).
     """
     site = locate_down_proj(model, layer)
     box: dict = {"stop": stop}
 
     def hook(module, args):
-        box["h"] = args[0].detach()
+        reading = None if raw else reading_of(model)  # an operator's running reading: its gates see that
+        box["h"] = args[0].detach() if reading is None else reading.read(args[0])
         if box["stop"]:
             raise StopForward
 

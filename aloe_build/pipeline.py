@@ -23,6 +23,7 @@ import torch
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe, weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.operator import DEFAULT_EPS, DEFAULT_GATE_EPS
+from aloe_kernels.reading import attach_reading, detach_reading
 from aloe_kernels.reference import gates_from_scores
 
 from .build_state import BuildState
@@ -184,6 +185,7 @@ class _Build:
         random.seed(cfg.seed)
         self.site = locate_down_proj(model, self.layer)
         self.fingerprint = weight_fingerprint(self.site.weight())
+        self.states_key = self.fingerprint + (f"/reading{cfg.reading_decay}" if cfg.reading_decay else "")  # cached states
         self.device = model_device(model)
         self.out = Path(out_dir) if out_dir else None
         self.ckpt = StageCheckpoints(
@@ -222,12 +224,19 @@ class _Build:
         return tensors
 
     def run(self) -> AloeOperator:
+        attach_reading(self.model, self.cfg.reading_decay)  # every state collected is what the gates see
+        try:
+            return self._run()
+        finally:
+            detach_reading(self.model)
+
+    def _run(self) -> AloeOperator:
         cfg, model, tokenizer = self.cfg, self.model, self.tokenizer
         # (1) encoder + the corpus that also supplies negatives
         corpus, corpus_path = load_corpus(cfg.encoder_corpus, cfg.encoder_records, cfg.encoder_same_subject, cfg.seed)
         self.corpus = corpus
         clock = StageClock()
-        enc_dir = encoder_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
+        enc_dir = encoder_cache_dir(cfg, self.states_key, self.layer, corpus_path)
         enc, enc_metrics, reused = _encoder(model, tokenizer, self.layer, enc_dir, corpus, cfg)
         self.report.stage("1_encoder", clock, reused=reused, corpus=str(corpus_path), **enc_metrics)
         self.say(f"1_encoder: {'reused' if reused else 'trained'}; {_encoder_summary(enc_metrics)}")
@@ -238,7 +247,7 @@ class _Build:
             "2_init", lambda: ({"V0": initial_addresses(model, tokenizer, prompts, self.layer, enc, cfg.batch_size)}, {})
         )["V0"]
         # (3) rollouts: anchors H+ and negatives H-
-        pool_dir = negatives_cache_dir(cfg, self.fingerprint, self.layer, corpus_path)
+        pool_dir = negatives_cache_dir(cfg, self.states_key, self.layer, corpus_path)
         roll = self.stage(
             "3_rollouts",
             lambda: rollouts(
@@ -421,6 +430,7 @@ class _Build:
             module_path=self.site.path,
             base_model=model_name(self.model),
             weight_fingerprint=self.fingerprint,
+            reading_decay=self.cfg.reading_decay,
         )
 
     def fit_writes(self, gated: AloeOperator, roll: dict[str, torch.Tensor], seqs: TokenSequences) -> torch.Tensor:

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from aloe_kernels.reading import reading_of, tree_running_sum
+
 from .forward import Tick, capture_down_proj_input, model_device
 from .states import StateBatch, collect_states, empty_states, normalize_rows, run_captured
 from .tokens import pad_id
@@ -143,11 +145,15 @@ def collect_states_tree(
     trees.sort(key=lambda t: len(t.tokens))
     device, pid = model_device(model), pad_id(tokenizer)
     dtype = next(model.parameters()).dtype
-    with capture_down_proj_input(model, layer) as box:
+    reading = reading_of(model)
+    # a row of a pass is a tree, not a sequence: a running reading follows each node's ancestors
+    with capture_down_proj_input(model, layer, raw=True) as box:
         for start in tqdm(range(0, len(trees), trees_per_pass), desc=desc, disable=desc is None, leave=False):
             batch = trees[start : start + trees_per_pass]
             h = run_captured(model, box, **_tree_inputs(batch, pid, dtype, device))
             for b, t in enumerate(batch):
+                if reading is not None:
+                    h[b, : len(t.tokens)] = tree_running_sum(h[b, : len(t.tokens)], t.parent, t.depth, reading.decay).to(h.dtype)
                 for j, path in zip(t.members, t.nodes):
                     i = nonempty[j]
                     if keep[i]:

@@ -28,6 +28,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         "operator_hash": op.fingerprint(),
         "eps": op.eps,
         "gate_eps": op.gate_eps,
+        # what the gates read: 0 the current token's state, else a running mean (aloe_kernels.reading)
+        "reading_decay": op.reading_decay,
         "address_norm": _stats(norms),
         "threshold": _stats(op.thresholds.float()),
         "temperature": _stats(op.temperatures.float()),

@@ -19,6 +19,7 @@ from torch import nn
 from .errors import PatchError
 from .int8_addresses import kernel_screen
 from .operator import AloeOperator, weight_fingerprint
+from .reading import ReadingTracker, attach_reading, detach_reading
 from .reference import aloe_reference
 from .residual import aloe_residual_
 from .runtime import STREAM_MAX_TOKENS, kernel_dtypes, use_fused_kernel
@@ -123,7 +124,9 @@ class AloeDownProj(nn.Module):
     operator, through the exact int8 screen (:mod:`aloe_kernels.screened_int8`)
     when ``screen`` is True, or None and the operator holds at least
     :data:`~aloe_kernels.screened.SCREEN_MIN_EDITS` edits. ``write_positions`` picks the positions
-    that receive the residual (:mod:`aloe_kernels.write_positions`).
+    that receive the residual (:mod:`aloe_kernels.write_positions`). ``reading``: where the operator's
+    gates read a running mean (:mod:`aloe_kernels.reading`), the model's tracker; the gates then read
+    it in place of ``h``, and ``base`` still maps ``h``.
     """
 
     def __init__(
@@ -134,9 +137,11 @@ class AloeDownProj(nn.Module):
         screen: bool | None = None,
         int8_addresses: bool = False,
         write_positions: str = DEFAULT_WRITE_POSITIONS,
+        reading: ReadingTracker | None = None,
     ):
         super().__init__()
         self.base = base
+        self.reading = reading
         self.write_positions = check_write_positions(write_positions)
         self.write_starts: torch.Tensor | None = None  # set by written_from()
         self.deterministic = deterministic
@@ -187,9 +192,10 @@ class AloeDownProj(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = self.base(h)
+        read = h if self.reading is None else self.reading.read(h)
         if self.write_positions == "all":
-            return self._add_residual(y, h)
-        return add_at_written_positions(y, h, self._add_residual, self.write_starts)
+            return self._add_residual(y, read)
+        return add_at_written_positions(y, read, self._add_residual, self.write_starts)
 
     def _add_residual(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         op = self._runtime_op
@@ -254,7 +260,9 @@ def apply_aloe(
     and read only the rows it keeps (:mod:`aloe_kernels.int8_addresses`; the same output bits as the
     streaming decode kernel without it); quantised here, from the operator as given.
     ``write_positions``: ``"generated"`` (default) adds the residual only where the next token is
-    generated, ``"all"`` at every position (:mod:`aloe_kernels.write_positions`). Refuses, with a
+    generated, ``"all"`` at every position (:mod:`aloe_kernels.write_positions`). An operator whose
+    gates read a running mean (``op.reading_decay`` > 0) makes the model track it
+    (:func:`aloe_kernels.reading.attach_reading`; undone by :func:`remove_aloe`). Refuses, with a
     :class:`PatchError`, a layer out of range, a d/d_out mismatch, a
     fingerprint mismatch (when the operator records one and
     ``check_fingerprint``), and a model that is already patched.
@@ -283,14 +291,21 @@ def apply_aloe(
     w = site.weight()
     if dtype is None:
         dtype = op.dtype if op.dtype == torch.float64 else (torch.float32 if w.device.type == "cpu" else w.dtype)
-    wrapper = AloeDownProj(
-        site.module,
-        op.to(w.device, dtype),
-        deterministic=deterministic,
-        screen=screen,
-        int8_addresses=int8_addresses,
-        write_positions=write_positions,
-    )
+    reading = attach_reading(model, op.reading_decay)
+    try:
+        wrapper = AloeDownProj(
+            site.module,
+            op.to(w.device, dtype),
+            deterministic=deterministic,
+            screen=screen,
+            int8_addresses=int8_addresses,
+            write_positions=write_positions,
+            reading=reading,
+        )
+    except BaseException:
+        if reading is not None:
+            detach_reading(model)
+        raise
     setattr(site.parent, site.attr, wrapper)
     return wrapper
 
@@ -302,5 +317,7 @@ def remove_aloe(model: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, wrapper.base)
+        if wrapper.reading is not None:
+            detach_reading(model)
         removed += 1
     return removed

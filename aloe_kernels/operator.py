@@ -3,8 +3,9 @@
 An artifact is a directory (like a PEFT adapter) holding
 
 - ``aloe_config.json``: format version, base model, fingerprint of the edited
-  weight, layer index and module path, d, d_out, n, eps, gate_eps, dtype, and
-  per-edit metadata (id, request, target, subject);
+  weight, layer index and module path, d, d_out, n, eps, gate_eps, dtype,
+  the reading's decay (format 2 only: what the gates read, see
+  :mod:`aloe_kernels.reading`), and per-edit metadata (id, request, target, subject);
 - ``aloe_operator.safetensors``: edit-major tensors ``addresses`` (n x d),
   ``thresholds`` (n), ``temperatures`` (n) and ``writes`` (n x d_out).
 
@@ -26,7 +27,10 @@ import torch
 
 from .errors import ArtifactError
 
+#: the format an artifact is written in: 1 for the last-token reading, which every reader of ALOE
+#: understands, 2 where the gates read a running mean (``reading_decay`` > 0)
 FORMAT_VERSION = 1
+READING_FORMAT_VERSION = 2
 CONFIG_NAME = "aloe_config.json"
 TENSORS_NAME = "aloe_operator.safetensors"
 DEFAULT_EPS = 1e-6
@@ -81,6 +85,7 @@ class AloeOperator:
     module_path: str | None = None
     base_model: str | None = None
     weight_fingerprint: str | None = None
+    reading_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.edits is None:
@@ -118,6 +123,7 @@ class AloeOperator:
             module_path=None,
             base_model=None,
             weight_fingerprint=None,
+            reading_decay=0.0,
         )
         return op
 
@@ -208,6 +214,8 @@ class AloeOperator:
             if eid in seen:
                 fail("edits", f"entry {i}: duplicate edit id {eid!r}")
             seen.add(eid)
+        if not (isinstance(self.reading_decay, (int, float)) and 0 <= self.reading_decay < 1):
+            fail("reading_decay", f"expected a float in [0, 1), got {self.reading_decay!r}")
         if self.layer is not None and (not isinstance(self.layer, int) or self.layer < 0):
             fail("layer", f"expected a non-negative int, got {self.layer!r}")
 
@@ -225,6 +233,7 @@ class AloeOperator:
             "module_path": self.module_path,
             "base_model": self.base_model,
             "weight_fingerprint": self.weight_fingerprint,
+            "reading_decay": self.reading_decay,
         }
 
     # -------------------------------------------------------------- editing
@@ -282,9 +291,13 @@ class AloeOperator:
 
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
+        version = READING_FORMAT_VERSION if self.reading_decay else FORMAT_VERSION
+        header = self._header()
+        if not self.reading_decay:
+            del header["reading_decay"]  # a last-token artifact stays readable by every version
         config = {
-            "format_version": FORMAT_VERSION,
-            **self._header(),
+            "format_version": version,
+            **header,
             "d": self.d,
             "d_out": self.d_out,
             "n": self.n,
@@ -296,7 +309,7 @@ class AloeOperator:
         # leaves a half-written artifact behind a valid-looking config.
         tmp_t = out / (TENSORS_NAME + ".tmp")
         tmp_c = out / (CONFIG_NAME + ".tmp")
-        save_file(tensors, str(tmp_t), metadata={"format_version": str(FORMAT_VERSION)})
+        save_file(tensors, str(tmp_t), metadata={"format_version": str(version)})
         tmp_c.write_text(json.dumps(config, indent=1, ensure_ascii=False))
         os.replace(tmp_t, out / TENSORS_NAME)
         os.replace(tmp_c, out / CONFIG_NAME)
@@ -323,8 +336,12 @@ class AloeOperator:
         if not isinstance(config, dict):
             raise ArtifactError(f"{cfg_path}: expected a JSON object")
         version = config.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ArtifactError(f"{cfg_path}: field 'format_version': expected {FORMAT_VERSION}, got {version!r}")
+        if version not in (FORMAT_VERSION, READING_FORMAT_VERSION):
+            raise ArtifactError(
+                f"{cfg_path}: field 'format_version': expected {FORMAT_VERSION} or {READING_FORMAT_VERSION}, got {version!r}"
+            )
+        if version == FORMAT_VERSION and config.get("reading_decay"):
+            raise ArtifactError(f"{cfg_path}: field 'reading_decay': a format {FORMAT_VERSION} artifact reads the last token")
         for key in ("d", "d_out", "n", "dtype", "eps", "gate_eps", "edits"):
             if key not in config:
                 raise ArtifactError(f"{cfg_path}: field '{key}' missing")
@@ -361,6 +378,7 @@ class AloeOperator:
                 module_path=config.get("module_path"),
                 base_model=config.get("base_model"),
                 weight_fingerprint=stored_fp,
+                reading_decay=float(config.get("reading_decay", 0.0)),
             )
         except ArtifactError as exc:
             raise ArtifactError(f"{root}: {exc}") from exc

@@ -79,3 +79,18 @@ def stopping_at(call: int, real, calls: list):
         return real(*args, **kwargs)
 
     return stub
+
+
+def running_mean_by_hand(h: torch.Tensor, decay: float, valid=None, carry=None) -> torch.Tensor:
+    """The running reading of states h (B, T, d), one position at a time in float64:
+    r_t = decay r_{t-1} + unit(h_t), padding (``valid`` false) counting as zero."""
+    h = h.double()
+    r = torch.zeros(h.shape[0], h.shape[2], dtype=torch.float64) if carry is None else carry.double().clone()
+    out = []
+    for t in range(h.shape[1]):
+        u = h[:, t] / h[:, t].norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        if valid is not None:
+            u = u * valid[:, t, None].double()
+        r = decay * r + u
+        out.append(r)
+    return torch.stack(out, 1)

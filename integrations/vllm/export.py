@@ -162,6 +162,11 @@ def validate_for_base(op: AloeOperator, base: Path, layer: int | None = None) ->
         layer = op.layer
     if layer is None:
         raise AloeSpecError("the operator does not record its layer; pass --layer")
+    if op.reading_decay:
+        raise AloeSpecError(
+            f"the operator's gates read a running mean of the states (reading_decay={op.reading_decay}); "
+            "the vLLM plugin serves last-token operators only (serve this one through the Hugging Face patch)"
+        )
     if op.layer is not None and layer != op.layer:
         raise AloeSpecError(f"the operator was built for layer {op.layer}, not layer {layer}")
     fp_base = weight_fingerprint(read_base_weight(base, down_proj_prefix(layer) + ".weight")) if 0 <= layer < num_layers else None

@@ -144,6 +144,10 @@ def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -
     number of edits against the reserved slots, and eps / gate_eps, which the served graph holds
     as constants.
     """
+    if op.reading_decay:
+        raise SwapRefused(
+            f"{source}: its gates read a running mean (reading_decay={op.reading_decay}); vLLM serves the last token's"
+        )
     if not op.weight_fingerprint:
         raise SwapRefused(
             f"{source}: the operator records no weight fingerprint, so it cannot be checked against the served base model"

@@ -27,9 +27,10 @@ def test_fields_up_to_a_stage_are_those_of_that_stage_and_before():
     cfg = BuildConfig()
     stage_of = {f.name: f.metadata["stage"] for f in BuildConfig.field_specs()}
     # a setting added after checkpoints were written keys them only away from its value before it
-    before = {f.name: f.metadata["before"] for f in BuildConfig.field_specs() if isinstance(f.metadata["before"], int)}
-    assert {"positives_chat_generic_systems", "finetune_keep_after_statement"} <= set(before)
-    away, then = BuildConfig(**{k: v + 1 for k, v in before.items()}), BuildConfig(**before)
+    before = {f.name: f.metadata["before"] for f in BuildConfig.field_specs() if isinstance(f.metadata["before"], (int, float))}
+    assert {"positives_chat_generic_systems", "finetune_keep_after_statement", "reading_decay"} <= set(before)
+    away = BuildConfig(**{k: v + 1 if isinstance(v, int) else v + 0.5 for k, v in before.items()})
+    then = BuildConfig(**before)
     for stage in range(9):
         assert set(away.fields_up_to(stage)) == {k for k, s in stage_of.items() if s <= stage}
         assert set(then.fields_up_to(stage)) == {k for k, s in stage_of.items() if s <= stage and k not in before}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import stopping_at
+from helpers import running_mean_by_hand, stopping_at
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 from aloe_build.config import BuildConfig
@@ -208,6 +208,32 @@ def test_gates_open_on_own_requests_tiny(tmp_path):
     # a separable slot opens at >= 0.9 on its request (its worst anchor gets exactly 0.9);
     # an inseparable one sits at a finite-temperature midpoint, still open
     assert (own[separable] >= 0.9 - 1e-4).all() and (own > 0).all()
+
+
+def test_a_running_reading_build_opens_each_gate_on_its_requests_reading(tmp_path):
+    from safetensors.torch import load_file
+
+    from aloe_kernels.hf import locate_down_proj
+    from aloe_kernels.reading import reading_of
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    op = build_operator(
+        model, tok, edits, _tiny_cfg(tmp_path, refine_steps=200, reading_decay=0.6), out_dir=tmp_path / "r", log=None
+    )
+    assert op.reading_decay == 0.6 and reading_of(model) is None  # recorded, and the model left as it was
+    separable = load_file(str(tmp_path / "r" / "checkpoints" / "5_calibrate.safetensors"))["separable"].bool()
+    assert separable.any()
+    box = {}
+    hook = locate_down_proj(model, 1).module.register_forward_pre_hook(lambda m, a: box.update(h=a[0].detach()))
+    last = []
+    for e in edits:  # the reading at each request's last token, by hand from an unpadded pass
+        with torch.no_grad():
+            model(input_ids=torch.tensor([tok(e.prompt)["input_ids"]]))
+        last.append(running_mean_by_hand(box["h"], 0.6)[0, -1])
+    hook.remove()
+    own = aloe_gates(torch.stack(last).float(), op).diagonal()
+    assert (own[separable] >= 0.9 - 1e-3).all() and (own > 0).all()
 
 
 def _rows_contain(rows, states, atol=1e-5):

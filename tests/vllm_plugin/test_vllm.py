@@ -8,6 +8,7 @@ the transformers model patched with ``apply_aloe`` in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -347,6 +348,10 @@ def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
     bad.save(tmp_path / "op-layer")
     with pytest.raises(AloeSpecError, match="out of range"):
         export_vllm(llama["base"], tmp_path / "op-layer", tmp_path / "b")
+    # Gates that read a running mean (the plugin serves the last token's reading).
+    dataclasses.replace(op, reading_decay=0.7).save(tmp_path / "op-reading")
+    with pytest.raises(AloeSpecError, match="running mean"):
+        export_vllm(llama["base"], tmp_path / "op-reading", tmp_path / "g")
     # d mismatch.
     random_operator(2, 50, 64, layer=1).save(tmp_path / "op-d")
     with pytest.raises(AloeSpecError, match="d=50"):
@@ -370,7 +375,7 @@ def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
     # An export is not a base; nothing was written by the refused calls.
     with pytest.raises(AloeSpecError, match="already an ALOE"):
         export_vllm(llama["serve"], llama["op"], tmp_path / "f")
-    assert not any((tmp_path / x).exists() for x in "abcdef")
+    assert not any((tmp_path / x).exists() for x in "abcdefg")
 
 
 def _serve_cli(*args, timeout=120, env=None):

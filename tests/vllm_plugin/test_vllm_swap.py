@@ -138,6 +138,7 @@ def test_capacity_in_spec_and_swap_checks():
         "capacity of 4": random_operator(5, 64, 24, layer=1, weight_fingerprint="fp-base"),
         "d=32": random_operator(3, 32, 24, layer=1, weight_fingerprint="fp-base"),
         "gate_eps": dataclasses.replace(good, gate_eps=0.01),
+        "running mean": dataclasses.replace(good, reading_decay=0.7),
     }
     for reason, op in cases.items():
         with pytest.raises(SwapRefused, match=reason):
