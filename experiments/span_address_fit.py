@@ -124,7 +124,8 @@ def cached_readings(model, tok, texts, layers, cache: str | None, name: str):
     path = Path(cache) / f"{name}.pt" if cache else None
     if path is not None and path.is_file():
         saved = torch.load(path)
-        if saved["texts"] == list(texts) and saved["layers"] == list(layers):
+        fresh = saved["texts"] == list(texts) and saved["layers"] == list(layers)
+        if fresh and all(set(d) >= set(READINGS) for d in saved["readings"].values()):
             return {layer: {r: t.double() for r, t in d.items()} for layer, d in saved["readings"].items()}
     readings = span_readings(model, tok, texts, layers)
     if path is not None:

@@ -4,9 +4,10 @@ span".)
 
 The span is the text after the prompt's last sentence end (". ", "? ", "! " or a line break): the whole
 request alone, the request after preceding text, the neighbour question after the edit's statement. Per
-layer, four reading points of the MLP down-projection input: the prompt's last token (ALOE's address),
-the mean of the span's unit token states, the mean of its raw states (then unit), and the last two
-side by side (a cosine that averages the span's and the last token's). Each edit's address is
+layer, the reading points of the MLP down-projection input: the prompt's last token (ALOE's address),
+the mean of the span's unit token states, the mean of its raw states (then unit), the last two
+side by side (a cosine that averages the span's and the last token's), and exponential running means of
+the whole prompt's unit states (no span boundary to find: the simplest state a decoder can carry). Each edit's address is
 its request's reading; every prompt of the tuning slice (:mod:`.scope_prompts`) is compared with every
 address by cosine. Per reading point: the share of rewordings (and of in-context requests) whose nearest
 address is their own, and the share that clear every prompt of the slice that does not ask the edit's
@@ -31,12 +32,15 @@ from aloe_build.forward import progress_bar
 from aloe_build.models import load_model
 from aloe_build.tokens import left_pad, pad_id
 from aloe_kernels.hf import locate_down_proj
+from aloe_kernels.reading import running_unit_sum
 
 from .scope_prompts import auc, save_result, scope_prompts, slice_parser
 
 #: where a sentence ends: the question's span starts after the last of these
 SENTENCE_END = re.compile(r"[.?!]\s+|\n")
-READINGS = ("last_token", "span_unit_mean", "span_raw_mean", "span_and_last")
+#: decays of the running (exponential) means of the whole prompt's unit states: no span to find
+EMA_DECAYS = (0.5, 0.7, 0.85)
+READINGS = ("last_token", "span_unit_mean", "span_raw_mean", "span_and_last", *(f"ema_{d}" for d in EMA_DECAYS))
 
 
 def span_start_token(tokenizer, text: str) -> tuple[list[int], int]:
@@ -70,7 +74,8 @@ def span_readings(model, tok, texts, layers, batch: int = 16) -> dict[int, dict[
             model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=1)
             for layer in layers:
                 for b, (seq, first) in enumerate(chunk):
-                    span = box[layer][b, width - len(seq) + first :]
+                    whole = box[layer][b, width - len(seq) :]
+                    span = whole[first:]
                     out[layer]["last_token"].append(span[-1])
                     out[layer]["span_unit_mean"].append(F.normalize(span, dim=-1).mean(0))
                     out[layer]["span_raw_mean"].append(span.mean(0))
@@ -78,6 +83,8 @@ def span_readings(model, tok, texts, layers, batch: int = 16) -> dict[int, dict[
                     out[layer]["span_and_last"].append(
                         torch.cat([F.normalize(span.mean(0), dim=-1), F.normalize(span[-1], dim=-1)])
                     )
+                    for decay in EMA_DECAYS:
+                        out[layer][f"ema_{decay}"].append(running_unit_sum(whole[None], decay)[0, -1])
             bar.update(len(chunk))
     finally:
         bar.close()

@@ -58,6 +58,10 @@ def test_span_readings_pool_only_the_question_after_a_statement():
         assert torch.allclose(r["last_token"][k], unit(span[-1], dim=-1), atol=1e-5)
         assert torch.allclose(r["span_raw_mean"][k], unit(span.mean(0), dim=-1), atol=1e-5)
         assert torch.allclose(r["span_unit_mean"][k], unit(unit(span, dim=-1).mean(0), dim=-1), atol=1e-5)
+        # the running mean reads the whole prompt, each token weighing 0.7 times the next
+        units = unit(box["h"], dim=-1)
+        by_hand = sum(0.7 ** (len(ids) - 1 - t) * units[t] for t in range(len(ids)))
+        assert torch.allclose(r["ema_0.7"][k], unit(by_hand, dim=-1), atol=1e-5)
     assert len(span_start_token(tok, texts[1])[0]) - span_start_token(tok, texts[1])[1] == len(
         span_start_token(tok, texts[0])[0]
     )  # the second text's span is the first text's tokens
