@@ -363,21 +363,22 @@ def _chat_gate_diagnostics(
     batch_size: int,
 ) -> dict[str, Any]:
     """``gates`` and ``locality_changes`` of one system prompt for an editor with slots (module doc)."""
-    gates = own_gates(model, tokenizer, requests, editor, system, hit, open_threshold, batch_size)
     # only the locality answers that changed need explaining; the unchanged ones are left out
     changed = [k for k, (a, b) in enumerate(zip(loc, base_loc)) if a != b]
     loc_prompts = [chat_prompt(tokenizer, locs[k], system) for k in changed]
-    changes = changed_locality_gates(
-        model,
-        tokenizer,
-        editor,
-        loc_prompts,
-        [base_loc[k] for k in changed],
-        [loc[k] for k in changed],
-        [editor.edit_slots(requests[loc_owner[k]], loc_owner[k]) for k in changed],
-        open_threshold,
-        batch_size,
-    )
+    with editor.reading(model):  # the states below are what the gates read
+        gates = own_gates(model, tokenizer, requests, editor, system, hit, open_threshold, batch_size)
+        changes = changed_locality_gates(
+            model,
+            tokenizer,
+            editor,
+            loc_prompts,
+            [base_loc[k] for k in changed],
+            [loc[k] for k in changed],
+            [editor.edit_slots(requests[loc_owner[k]], loc_owner[k]) for k in changed],
+            open_threshold,
+            batch_size,
+        )
     return {"gates": gates, "locality_changes": changes}
 
 

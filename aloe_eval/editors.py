@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from aloe_build.chat_slots import is_chat_entry
 from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
+from aloe_kernels.reading import attach_reading, detach_reading
 from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, check_write_positions
 
 from .content_key import content_key
@@ -41,6 +43,11 @@ class Editor:
 
     def slot_activations(self, h: torch.Tensor) -> torch.Tensor | None:
         return None
+
+    def reading(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Within the context, the states collected from ``model`` are what :meth:`slot_activations`
+        reads (attached or not: an operator whose gates read a running mean, :mod:`aloe_kernels.reading`)."""
+        return contextlib.nullcontext()
 
     def slot_of(self, request: Any, index: int) -> int | None:
         return None
@@ -165,6 +172,14 @@ class AloeEditor(Editor):
     @property
     def has_slots(self) -> bool:
         return True
+
+    @contextlib.contextmanager
+    def reading(self, model: nn.Module) -> Iterator[None]:
+        attach_reading(model, self.op.reading_decay)
+        try:
+            yield
+        finally:
+            detach_reading(model)
 
     def slot_activations(self, h: torch.Tensor) -> torch.Tensor:
         op = self._gate_op

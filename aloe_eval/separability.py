@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     from aloe_build.states import collect_states
     from aloe_build.tokens import encode_prompt
     from aloe_kernels import AloeOperator
+    from aloe_kernels.reading import attach_reading
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--operator", required=True, help="an operator directory with its build's checkpoints")
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(edits) != op.n:
         raise SystemExit(f"{len(edits)} edits but {op.n} slots: this reading needs one slot per edit")
     model, tok = load_model(args.model)
+    attach_reading(model, op.reading_decay)  # the states the operator's gates read
     rephrases = [(i, p) for i, e in enumerate(edits) for p in e.rephrases]
     locality = [x.prompt for e in edits for x in e.locality]
     r_ids = [encode_prompt(tok, p) for _, p in rephrases]
