@@ -150,3 +150,25 @@ def test_cli_append_and_remove(built, tmp_path, capsys):
     assert op.ids == ["b"] and state.n == 1
     assert main(["remove", "--operator", str(tmp_path / "rm"), "--ids", "b", "--out", str(tmp_path / "rm")]) == 2
     assert "--out must differ" in capsys.readouterr().err
+
+
+def test_a_running_reading_operator_keeps_its_reading_through_append_remove_and_update(tmp_path):
+    from aloe_kernels.reading import attach_reading, detach_reading
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _tiny_cfg(tmp_path, refine_steps=200, reading_decay=0.6)
+    build_operator(model, tok, _edits()[:2], cfg, out_dir=tmp_path / "base", log=None).save(tmp_path / "base")
+    op = append_edits(model, tok, tmp_path / "base", [_NEW], out_dir=tmp_path / "app", log=None)
+    assert op.n == 3 and op.reading_decay == 0.6
+    attach_reading(model, 0.6)  # the states the gates read: the new slot opens on its request's reading
+    try:
+        g = _request_gates(model, tok, op, [_NEW.prompt])
+    finally:
+        detach_reading(model)
+    assert float(g[0, 2]) > 0
+    kept, _ = remove_edits(*load_with_state(tmp_path / "base"), ["a"])
+    assert kept.reading_decay == 0.6
+    corrected = dataclasses.replace(_edits()[1], target_new="Paris")
+    assert update_edits(model, tok, tmp_path / "base", [corrected], log=None).reading_decay == 0.6
+    with pytest.raises(BuildError, match="reading"):
+        append_edits(model, tok, tmp_path / "base", [_NEW], config=dataclasses.replace(cfg, reading_decay=0.0), log=None)
