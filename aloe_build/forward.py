@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from aloe_kernels.hf import locate_down_proj, written_from
-from aloe_kernels.reading import reading_of
+from aloe_kernels.reading import gate_input
 from aloe_kernels.reference import normalize_rows
 from aloe_kernels.screened import fast_bf16_cpu
 
@@ -203,8 +203,7 @@ def _keep_read_input(model: nn.Module, layer: int, box: dict[str, Any], key: str
     reading where the model tracks one, :mod:`aloe_kernels.reading`)."""
 
     def keep(_m, args, _o):
-        reading = reading_of(model)
-        box[key] = args[0].detach() if reading is None else reading.read(args[0])
+        box[key] = gate_input(model, args[0])
 
     return locate_down_proj(model, layer).module.register_forward_hook(keep)
 
@@ -251,8 +250,7 @@ def capture_down_proj_input(model: nn.Module, layer: int, stop: bool = True, raw
     box: dict = {"stop": stop}
 
     def hook(module, args):
-        reading = None if raw else reading_of(model)  # an operator's running reading: its gates see that
-        box["h"] = args[0].detach() if reading is None else reading.read(args[0])
+        box["h"] = args[0].detach() if raw else gate_input(model, args[0])
         if box["stop"]:
             raise StopForward
 

@@ -23,7 +23,7 @@ import torch
 from aloe_kernels import AloeOperator, apply_aloe, remove_aloe, weight_fingerprint
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.operator import DEFAULT_EPS, DEFAULT_GATE_EPS
-from aloe_kernels.reading import attach_reading, detach_reading
+from aloe_kernels.reading import reading_tracked
 from aloe_kernels.reference import gates_from_scores
 
 from .build_state import BuildState
@@ -224,11 +224,8 @@ class _Build:
         return tensors
 
     def run(self) -> AloeOperator:
-        attach_reading(self.model, self.cfg.reading_decay)  # every state collected is what the gates see
-        try:
+        with reading_tracked(self.model, self.cfg.reading_decay):  # every state collected is what the gates see
             return self._run()
-        finally:
-            detach_reading(self.model)
 
     def _run(self) -> AloeOperator:
         cfg, model, tokenizer = self.cfg, self.model, self.tokenizer

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from aloe_build.chat_slots import is_chat_entry
 from aloe_kernels import AloeOperator, aloe_gates, apply_aloe, remove_aloe
-from aloe_kernels.reading import attach_reading, detach_reading
+from aloe_kernels.reading import reading_tracked
 from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, check_write_positions
 
 from .content_key import content_key
@@ -173,13 +173,8 @@ class AloeEditor(Editor):
     def has_slots(self) -> bool:
         return True
 
-    @contextlib.contextmanager
-    def reading(self, model: nn.Module) -> Iterator[None]:
-        attach_reading(model, self.op.reading_decay)
-        try:
-            yield
-        finally:
-            detach_reading(model)
+    def reading(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return reading_tracked(model, self.op.reading_decay)
 
     def slot_activations(self, h: torch.Tensor) -> torch.Tensor:
         op = self._gate_op

@@ -19,12 +19,14 @@ supported).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .errors import PatchError
+from .reference import compute_dtype
 
 #: tokens per block of the closed form: decay ** -(block - 1) must stay well inside float32
 _BLOCK = 32
@@ -36,6 +38,12 @@ def check_decay(decay: float) -> float:
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"reading decay must be in [0, 1), got {decay}")
     return decay
+
+
+def _units(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """Rows of ``h`` over ``max(|row|, eps)`` in the compute dtype (zero rows stay zero)."""
+    u = h.to(compute_dtype(h.dtype))
+    return u / torch.linalg.vector_norm(u, dim=-1, keepdim=True).clamp_min(eps)
 
 
 def running_unit_sum(
@@ -51,9 +59,8 @@ def running_unit_sum(
     ``carry`` (B, d) is ``r`` just before the first position (the last reading of the previous call).
     Computed in blocks of :data:`_BLOCK` tokens, each a small lower-triangular product.
     """
-    ct = torch.float64 if h.dtype == torch.float64 else torch.float32
-    u = h.to(ct)
-    u = u / torch.linalg.vector_norm(u, dim=-1, keepdim=True).clamp_min(eps)
+    u = _units(h, eps)
+    ct = u.dtype
     if valid is not None:
         u = u * valid.to(device=u.device, dtype=ct).unsqueeze(-1)
     if decay == 0.0:
@@ -78,9 +85,7 @@ def tree_running_sum(
     """:func:`running_unit_sum` over a token tree (nodes in a row, ``h`` (N, d)): each node's reading
     continues its parent's (``parent[k]`` = -1 for a first token), as a sequence through that node
     would have it. Nodes are taken depth by depth."""
-    ct = torch.float64 if h.dtype == torch.float64 else torch.float32
-    u = h.to(ct)
-    u = u / torch.linalg.vector_norm(u, dim=-1, keepdim=True).clamp_min(eps)
+    u = _units(h, eps)
     out = u.clone()
     par = torch.as_tensor(list(parent), dtype=torch.long, device=h.device)
     dep = torch.as_tensor(list(depth), dtype=torch.long, device=h.device)
@@ -173,6 +178,23 @@ def detach_reading(model: nn.Module) -> None:
     if tracker.users <= 0:
         tracker.close()
         object.__delattr__(model, _ATTR)
+
+
+@contextlib.contextmanager
+def reading_tracked(model: nn.Module, decay: float) -> Iterator[ReadingTracker | None]:
+    """:func:`attach_reading` for the duration of the context."""
+    tracker = attach_reading(model, decay)
+    try:
+        yield tracker
+    finally:
+        detach_reading(model)
+
+
+def gate_input(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """What the gates of an operator on ``model`` read of the down-projection input ``h``: the running
+    reading where the model tracks one, else ``h`` itself (detached)."""
+    tracker = reading_of(model)
+    return h.detach() if tracker is None else tracker.read(h)
 
 
 def reading_of(model: nn.Module) -> ReadingTracker | None:
