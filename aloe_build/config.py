@@ -20,9 +20,15 @@ import functools
 import warnings
 from typing import Any
 
+from aloe_kernels.errors import AloeError
 from aloe_kernels.reading import check_decay
 
 from .system_prompts import GENERIC_SYSTEM_PROMPTS
+
+
+class ConfigError(AloeError, ValueError):
+    """A build setting that does not exist (a mistyped ``--set`` key, a stale config file)."""
+
 
 #: Stage numbers of the paper's Method section.
 STAGES = {
@@ -535,7 +541,7 @@ class BuildConfig:
         """From flat keys (as :meth:`to_dict` writes them); an unknown key is an error."""
         unknown = set(data) - {f.name for f in cls.field_specs()}
         if unknown:
-            raise ValueError(f"BuildConfig: unknown fields {sorted(unknown)}")
+            raise ConfigError(f"BuildConfig: unknown fields {sorted(unknown)} (docs/options.md lists them)")
         return cls(**data)
 
 

@@ -50,14 +50,18 @@ def run_demo(
     limit: int | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    settings: dict | None = None,
 ) -> dict:
-    """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit rates."""
+    """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit
+    rates. ``settings``: BuildConfig fields over the demo preset's (``--set``)."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
+    from aloe_build.presets import preset_fields
     from aloe_eval.in_context import in_context
     from aloe_eval.metrics import contains_target
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
-    config = BuildConfig.preset("demo")  # the settings and their reasons: aloe_build/presets.py
+    # the settings and their reasons: aloe_build/presets.py; from_dict names a mistyped --set key
+    config = BuildConfig.from_dict({**preset_fields("demo"), **(settings or {})})
 
     requests = load_edits(edits_path, limit=limit)
     print(f"loading {model_name} ...")
@@ -119,5 +123,13 @@ def add_demo_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/demo", help="where the operator is written")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field of the demo preset")
     add_device_args(p)
-    p.set_defaults(func=lambda a: (run_demo(Path(a.edits), Path(a.out), a.model, a.limit, a.device, a.dtype), 0)[1])
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from aloe_build.config import parse_settings
+
+    run_demo(Path(a.edits), Path(a.out), a.model, a.limit, a.device, a.dtype, parse_settings(a.set or []))
+    return 0

@@ -31,3 +31,15 @@ def test_set_values_parse_as_json_or_stay_text():
         "calibration_open_at": 0.5,
         "layer": -1,
     }
+
+
+def test_a_mistyped_setting_is_one_line_before_any_work(capsys, tmp_path):
+    """``aloe demo --set`` takes the demo preset's fields; a key that is no setting stops the command
+    with one line naming it (exit 2), before the model loads or anything is written."""
+    from aloe_cli.main import main
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--set", "reading_decy=0.7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aloe demo: error: BuildConfig: unknown fields ['reading_decy']") and "Traceback" not in err
+    assert not out.exists()
