@@ -30,6 +30,8 @@ from .reference import compute_dtype
 
 #: tokens per block of the closed form: decay ** -(block - 1) must stay well inside float32
 _BLOCK = 32
+#: the smallest norm a state is divided by (a zero state stays zero)
+READING_EPS = 1e-6
 
 
 def check_decay(decay: float) -> float:
@@ -40,10 +42,14 @@ def check_decay(decay: float) -> float:
     return decay
 
 
-def _units(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """Rows of ``h`` over ``max(|row|, eps)`` in the compute dtype (zero rows stay zero)."""
+def unit_rows(h: torch.Tensor, eps: float = READING_EPS, squared_norms: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``h`` over ``max(|row|, eps)`` in the compute dtype (zero rows stay zero).
+
+    ``squared_norms`` (..., 1): the rows' squared norms where ``h`` holds only part of each row's
+    coordinates (a tensor-parallel shard, its norms summed over the shards); default: ``h``'s own."""
     u = h.to(compute_dtype(h.dtype))
-    return u / torch.linalg.vector_norm(u, dim=-1, keepdim=True).clamp_min(eps)
+    norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True) if squared_norms is None else squared_norms.to(u.dtype).sqrt()
+    return u / norm.clamp_min(eps)
 
 
 def running_unit_sum(
@@ -51,15 +57,21 @@ def running_unit_sum(
     decay: float,
     valid: torch.Tensor | None = None,
     carry: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    eps: float = READING_EPS,
 ) -> torch.Tensor:
     """``r`` of shape (B, T, d) in float32 (float64 for float64 ``h``): ``r_t = decay r_{t-1} + unit(h_t)``.
 
     ``valid`` (B, T) marks the positions that count (padding does not: its unit state is taken as zero);
     ``carry`` (B, d) is ``r`` just before the first position (the last reading of the previous call).
-    Computed in blocks of :data:`_BLOCK` tokens, each a small lower-triangular product.
     """
-    u = _units(h, eps)
+    return running_sum(unit_rows(h, eps), decay, valid, carry)
+
+
+def running_sum(
+    u: torch.Tensor, decay: float, valid: torch.Tensor | None = None, carry: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`running_unit_sum` of rows already made unit (:func:`unit_rows`), ``u`` (B, T, d) in the
+    compute dtype. Computed in blocks of :data:`_BLOCK` tokens, each a small lower-triangular product."""
     ct = u.dtype
     if valid is not None:
         u = u * valid.to(device=u.device, dtype=ct).unsqueeze(-1)
@@ -80,12 +92,12 @@ def running_unit_sum(
 
 
 def tree_running_sum(
-    h: torch.Tensor, parent: Sequence[int], depth: Sequence[int], decay: float, eps: float = 1e-6
+    h: torch.Tensor, parent: Sequence[int], depth: Sequence[int], decay: float, eps: float = READING_EPS
 ) -> torch.Tensor:
     """:func:`running_unit_sum` over a token tree (nodes in a row, ``h`` (N, d)): each node's reading
     continues its parent's (``parent[k]`` = -1 for a first token), as a sequence through that node
     would have it. Nodes are taken depth by depth."""
-    u = _units(h, eps)
+    u = unit_rows(h, eps)
     out = u.clone()
     par = torch.as_tensor(list(parent), dtype=torch.long, device=h.device)
     dep = torch.as_tensor(list(depth), dtype=torch.long, device=h.device)

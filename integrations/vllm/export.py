@@ -162,11 +162,6 @@ def validate_for_base(op: AloeOperator, base: Path, layer: int | None = None) ->
         layer = op.layer
     if layer is None:
         raise AloeSpecError("the operator does not record its layer; pass --layer")
-    if op.reading_decay:
-        raise AloeSpecError(
-            f"the operator's gates read a running mean of the states (reading_decay={op.reading_decay}); "
-            "the vLLM plugin serves last-token operators only (serve this one through the Hugging Face patch)"
-        )
     if op.layer is not None and layer != op.layer:
         raise AloeSpecError(f"the operator was built for layer {op.layer}, not layer {layer}")
     fp_base = weight_fingerprint(read_base_weight(base, down_proj_prefix(layer) + ".weight")) if 0 <= layer < num_layers else None
@@ -182,6 +177,7 @@ def validate_for_base(op: AloeOperator, base: Path, layer: int | None = None) ->
         base_model=op.base_model or config.get("_name_or_path") or base.name,
         base_architecture=arch,
         operator_fingerprint=op.fingerprint(),
+        reading_decay=float(op.reading_decay),
     )
     spec.check_model(num_layers=num_layers, d=d, d_out=d_out, source=f"operator vs {base}")
     if op.weight_fingerprint and op.weight_fingerprint != fp_base:

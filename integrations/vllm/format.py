@@ -28,6 +28,7 @@ import math
 from typing import Any, Mapping
 
 from aloe_kernels.errors import AloeError
+from aloe_kernels.reading import check_decay
 from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, check_write_positions
 
 SPEC_VERSION = 1
@@ -124,6 +125,8 @@ class AloeSpec:
     version: int = SPEC_VERSION
     capacity: int | None = None
     write_positions: str = DEFAULT_WRITE_POSITIONS
+    #: > 0: the gates read the running mean of the states (:mod:`aloe_vllm.reading`)
+    reading_decay: float = 0.0
 
     @property
     def slots(self) -> int:
@@ -134,6 +137,8 @@ class AloeSpec:
         out = dataclasses.asdict(self)
         if self.capacity is None:
             del out["capacity"]  # directories without live edits keep their former config
+        if not self.reading_decay:
+            del out["reading_decay"]  # last-token operators keep their former config
         return out
 
     @classmethod
@@ -171,6 +176,13 @@ class AloeSpec:
             check_write_positions(raw.get("write_positions", DEFAULT_WRITE_POSITIONS))
         except ValueError as e:
             raise AloeSpecError(f"{source}: {CONFIG_KEY}.{e}") from None
+        decay = raw.get("reading_decay", 0.0)
+        try:
+            if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+                raise ValueError(f"reading decay must be a number, got {decay!r}")
+            check_decay(decay)
+        except ValueError as e:
+            raise AloeSpecError(f"{source}: {CONFIG_KEY}.reading_decay: {e}") from None
         return cls(**{k: raw[k] for k in raw})
 
     def check_model(self, *, num_layers: int, d: int, d_out: int, source: str = "config.json") -> None:

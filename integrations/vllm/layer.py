@@ -47,6 +47,7 @@ from . import (
     positions,  # noqa: F401  (registers aloe_vllm::restore_unsampled_rows_)
 )
 from .format import INERT, PARAM_NAMES, AloeSpec, AloeSpecError, AloeSwapFailed, edit_share, slot_order
+from .reading import ReadingTable
 from .screen import refresh_int8_screen_, refresh_screen_, screen_buffers, screen_kind
 
 __all__ = ["AloeRowParallelLinear"]
@@ -107,6 +108,13 @@ class AloeRowParallelLinear(RowParallelLinear):
         self.aloe_loaded_at: float | None = None
         self.aloe_loaded: set[str] = set()
         self.aloe_screen: str | None = None  # "bf16", "int8" or None (see screen.screen_kind)
+        # gates that read a running mean keep one reading per KV-cache block (reading.py)
+        self.aloe_reading: ReadingTable | None = None
+        if spec.reading_decay:
+            from vllm.config import get_current_vllm_config
+
+            block_size = get_current_vllm_config().cache_config.block_size
+            self.aloe_reading = ReadingTable(spec.reading_decay, block_size, f"model.layers.{spec.layer}.self_attn.attn")
 
     def aloe_finalize(self) -> None:
         """After loading: set up a screened CPU path if one applies (bf16 or int8 copies of the addresses)."""
@@ -278,6 +286,15 @@ class AloeRowParallelLinear(RowParallelLinear):
         }
 
     # ---------------------------------------------------------------- forward
+    def _gate_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What the gates read of the layer input ``h``: ``h``, or its running reading."""
+        if self.aloe_reading is None:
+            return h
+        squared = None
+        if self.tp_size > 1:  # each rank holds a shard of h: the unit rows need the whole row's norm
+            squared = tensor_model_parallel_all_reduce(h.float().pow(2).sum(-1, keepdim=True))
+        return torch.ops.aloe_vllm.running_reading(h, squared, self.aloe_reading.key)
+
     def _add_aloe_(self, out: torch.Tensor, h: torch.Tensor) -> None:
         """Add this rank's part of ``U g(h)`` into the partial output, before the all-reduce."""
         if self.aloe_screen == "int8":
@@ -349,7 +366,7 @@ class AloeRowParallelLinear(RowParallelLinear):
         if self.aloe_n > 0:
             # "generated": the residual stays only where the next token is sampled (positions.py)
             before = output_parallel.clone() if self.aloe_spec.write_positions == "generated" else None
-            self._add_aloe_(output_parallel, input_)
+            self._add_aloe_(output_parallel, self._gate_input(input_))
             if before is not None:
                 torch.ops.aloe_vllm.restore_unsampled_rows_(output_parallel, before)
         if self.reduce_results and self.tp_size > 1:

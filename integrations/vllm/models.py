@@ -21,6 +21,7 @@ from aloe_kernels.operator import weight_fingerprint
 
 from .format import PARAM_NAMES, AloeSpec, AloeSpecError, down_proj_prefix
 from .layer import AloeRowParallelLinear
+from .reading import check_engine
 
 __all__ = [
     "layer_keywords",
@@ -87,6 +88,7 @@ class _AloeMixin:
             d_out=int(config.hidden_size),
             source=source,
         )
+        check_engine(spec, vllm_config)
         self.aloe_spec = spec
         self._aloe_layer: AloeRowParallelLinear | None = None
         self._aloe_fingerprint_seen: str | None = None

@@ -170,6 +170,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     memory = plan_memory(model_dir, args.memory, extra, env, on_gpu=torch.cuda.is_available())
     print(f"aloe serve: {memory.reason}", file=sys.stderr, flush=True)
+    if args.operator and torch.cuda.is_available() and _reads_running_mean(model_dir) and "--enforce-eager" not in extra:
+        extra = [*extra, "--enforce-eager"]  # CUDA graph replays would not carry the reading (aloe_vllm.reading)
+        print("aloe serve: the operator's gates read a running mean: serving without CUDA graphs", file=sys.stderr, flush=True)
     name = served_name(args.model, extra)
     if _given_name(extra) is None:
         extra = ["--served-model-name", name, *extra]
@@ -196,6 +199,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ServerFailed as exc:
         print(f"aloe serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
+
+
+def _reads_running_mean(model_dir: Path) -> bool:
+    """Whether the exported operator's gates read a running mean (``reading_decay`` in its spec)."""
+    import json
+
+    return bool(json.loads((model_dir / "config.json").read_text())["aloe"].get("reading_decay"))
 
 
 def _edits_served(model_dir: Path) -> str:

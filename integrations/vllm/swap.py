@@ -136,17 +136,22 @@ def _check_sizes(n: int, d: int, d_out: int, spec: AloeSpec, source: str) -> Non
         )
 
 
+def _reading(decay: float) -> str:
+    return f"a running mean of decay {decay}" if decay else "the last token's state"
+
+
 def check_for_swap(op: AloeOperator, spec: AloeSpec, source: str = "operator") -> None:
     """Refuse ``op`` unless it fits the served layer described by ``spec`` (SwapRefused names the problem).
 
     The operator's own load already checked shapes, dtypes, finiteness and temperatures > 0. Here:
     the base weight fingerprint (required: a live swap must not guess), layer, d / d_out, the
-    number of edits against the reserved slots, and eps / gate_eps, which the served graph holds
+    number of edits against the reserved slots, the reading decay, and eps / gate_eps, which the served graph holds
     as constants.
     """
-    if op.reading_decay:
+    if float(op.reading_decay) != float(spec.reading_decay):
         raise SwapRefused(
-            f"{source}: its gates read a running mean (reading_decay={op.reading_decay}); vLLM serves the last token's"
+            f"{source}: its gates read {_reading(op.reading_decay)}, the served layer's {_reading(spec.reading_decay)}; "
+            "the running reading of the requests in flight is kept for the served decay (restart the server)"
         )
     if not op.weight_fingerprint:
         raise SwapRefused(

@@ -63,12 +63,6 @@ TINY_TOKENS = 8
 SMOL_TOKENS = 6
 
 
-@pytest.fixture(scope="session")
-def vllm_cache(tmp_path_factory) -> Path:
-    """A private VLLM_CACHE_ROOT, so compiled-mode tests really compile."""
-    return tmp_path_factory.mktemp("vllm-cache")
-
-
 def _load(path):
     from aloe_build.models import load_model
 
@@ -348,10 +342,13 @@ def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
     bad.save(tmp_path / "op-layer")
     with pytest.raises(AloeSpecError, match="out of range"):
         export_vllm(llama["base"], tmp_path / "op-layer", tmp_path / "b")
-    # Gates that read a running mean (the plugin serves the last token's reading).
+    # Gates that read a running mean: the decay goes into the spec.
     dataclasses.replace(op, reading_decay=0.7).save(tmp_path / "op-reading")
-    with pytest.raises(AloeSpecError, match="running mean"):
-        export_vllm(llama["base"], tmp_path / "op-reading", tmp_path / "g")
+    config = json.loads(
+        (export_vllm(llama["base"], tmp_path / "op-reading", tmp_path / "served-reading") / "config.json").read_text()
+    )
+    assert config["aloe"]["reading_decay"] == 0.7
+    assert "reading_decay" not in json.loads((Path(llama["serve"]) / "config.json").read_text())["aloe"]
     # d mismatch.
     random_operator(2, 50, 64, layer=1).save(tmp_path / "op-d")
     with pytest.raises(AloeSpecError, match="d=50"):
@@ -375,7 +372,7 @@ def test_export_refuses_mismatch_and_corruption(tiny, tmp_path):
     # An export is not a base; nothing was written by the refused calls.
     with pytest.raises(AloeSpecError, match="already an ALOE"):
         export_vllm(llama["serve"], llama["op"], tmp_path / "f")
-    assert not any((tmp_path / x).exists() for x in "abcdefg")
+    assert not any((tmp_path / x).exists() for x in "abcdef")
 
 
 def _serve_cli(*args, timeout=120, env=None):

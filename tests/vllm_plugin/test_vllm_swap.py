@@ -143,6 +143,11 @@ def test_capacity_in_spec_and_swap_checks():
     for reason, op in cases.items():
         with pytest.raises(SwapRefused, match=reason):
             check_for_swap(op, spec)
+    reading = dataclasses.replace(spec, reading_decay=0.7)
+    check_for_swap(dataclasses.replace(good, reading_decay=0.7), reading)
+    for decay in (0.0, 0.5):
+        with pytest.raises(SwapRefused, match="served layer's a running mean of decay 0.7"):
+            check_for_swap(dataclasses.replace(good, reading_decay=decay), reading)
     ok = {"state": "ok", "hash": "h1", "n": 3}
     assert staged_hash([ok, None, dict(ok)]) == "h1"
     assert staged_hash([ok, {"state": "pending"}]) is None

@@ -394,7 +394,10 @@ def run_vllm_generate(
 
     Each run is ``{"model": dir, "prompts": [...], "max_tokens": n, "eager": bool}``, or has
     ``"prompt_token_ids": [[...], ...]`` instead of ``"prompts"`` (then vLLM loads no tokenizer),
-    and optionally ``"env": {...}`` applied before the run (e.g. ``TRITON_INTERPRET``) and
+    and optionally ``"env": {...}`` applied before the run (e.g. ``TRITON_INTERPRET``), ``"llm": {...}``
+    more ``vllm.LLM`` arguments (``block_size``, ``enable_prefix_caching``, ...), ``"sequential": true``
+    (one ``generate`` call per prompt, in order, so later prompts can find earlier ones' blocks in
+    the prefix cache) and
     ``"swaps": [operator_dir, ...]``: generate, then for each directory swap it in with
     ``aloe_vllm.swap.swap_operator`` and generate again (the run's result is then one list per phase).
     With ``"pointers": true`` the result is ``{"tokens": ..., "pointers": [...]}``: after each phase,
@@ -458,6 +461,7 @@ def _child_main(spec_path: str, out_path: str) -> None:
             tensor_parallel_size=int(spec.get("tp", 1)),
             skip_tokenizer_init=token_ids is not None,
             worker_extension_cls=run.get("extension", EXTENSION) if "swaps" in run else "",
+            **run.get("llm", {}),
         )
         params = SamplingParams(
             temperature=0.0, max_tokens=int(run["max_tokens"]), ignore_eos=False, detokenize=token_ids is None
@@ -473,7 +477,8 @@ def _child_main(spec_path: str, out_path: str) -> None:
                     if not run.get("swap_errors"):
                         raise
                     errors.append(f"{type(exc).__name__}: {exc}")
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            batches = [[p] for p in prompts] if run.get("sequential") else [prompts]
+            outs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
             phases.append([list(o.outputs[0].token_ids) for o in outs])
             if run.get("pointers"):
                 pointers.append(llm.collective_rpc(_aloe_storage))
