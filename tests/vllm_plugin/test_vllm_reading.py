@@ -216,16 +216,11 @@ def test_vllm_serves_the_running_reading_like_transformers(served, vllm_cache):
     assert s["hf_edit"] != s["hf_last"], "the reading must matter: the last token's state gates otherwise"
     run = {"model": str(s["serve"]), "prompt_token_ids": s["ids"], "max_tokens": 6}
     small = {"block_size": 32, "max_num_batched_tokens": 32, "max_num_seqs": 4, "enable_prefix_caching": True}
-    runs = [
-        # compiled (the op is opaque to torch.compile), every prompt in one step: shares-a-prefix starts on
-        # edit-long's first block, which edit-long fills in that step
-        {**run, "eager": False, "llm": {"block_size": 32}},
-        # one prompt at a time, prefills in chunks of at most 32 tokens: shares-a-prefix finds edit-long's
-        # first block in the prefix cache
-        {**run, "eager": True, "llm": small, "sequential": True},
-    ]
-    results = run_vllm_generate(runs, env=vllm_env(1, vllm_cache))
-    for r in results:
-        assert r == s["hf_edit"]
-    (tp2,) = run_vllm_generate([{**run, "eager": True, "llm": small}], tp=2, env=vllm_env(2, vllm_cache))
+    # compiled (the op is opaque to torch.compile), every prompt in one step: shares-a-prefix starts on
+    # edit-long's first block, which edit-long fills in that step
+    (compiled,) = run_vllm_generate([{**run, "eager": False, "llm": {"block_size": 32}}], env=vllm_env(1, vllm_cache))
+    assert compiled == s["hf_edit"]
+    # two ranks, one prompt at a time, prefills in chunks of at most 32 tokens: shares-a-prefix finds
+    # edit-long's first block in the prefix cache
+    (tp2,) = run_vllm_generate([{**run, "eager": True, "llm": small, "sequential": True}], tp=2, env=vllm_env(2, vllm_cache))
     assert tp2 == s["hf_edit"]
