@@ -501,10 +501,11 @@ class BuildConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "BuildConfig":
-        """The named settings of :data:`aloe_build.presets.PRESETS`, with ``overrides`` on top."""
+        """The named settings of :data:`aloe_build.presets.PRESETS`, with ``overrides`` on top (a key that
+        is no setting: :class:`ConfigError`)."""
         from .presets import preset_fields
 
-        return cls(**{**preset_fields(name), **overrides})
+        return cls.from_dict({**preset_fields(name), **overrides})
 
     @classmethod
     def field_specs(cls) -> list[dataclasses.Field]:

@@ -55,13 +55,12 @@ def run_demo(
     """Edit ``model_name`` on ``edits_path`` into ``out_dir`` and print answers before/after; returns the hit
     rates. ``settings``: BuildConfig fields over the demo preset's (``--set``)."""
     from aloe_build import BuildConfig, build_operator, load_edits, load_model
-    from aloe_build.presets import preset_fields
     from aloe_eval.in_context import in_context
     from aloe_eval.metrics import contains_target
     from aloe_kernels import AloeOperator, apply_aloe, remove_aloe
 
-    # the settings and their reasons: aloe_build/presets.py; from_dict names a mistyped --set key
-    config = BuildConfig.from_dict({**preset_fields("demo"), **(settings or {})})
+    # the settings and their reasons: aloe_build/presets.py (a mistyped --set key: ConfigError)
+    config = BuildConfig.preset("demo", **(settings or {}))
 
     requests = load_edits(edits_path, limit=limit)
     print(f"loading {model_name} ...")

@@ -80,7 +80,7 @@ class ReadingTable:
         blocks = block_table[:n_req].to(u.device).long()
         tokens = int(starts[-1])
         slots = slot_mapping[:tokens].to(u.device).long()
-        need = int(max(int(blocks.max()) if blocks.numel() else 0, int(slots.max()) // bs if tokens else 0)) + 1
+        need = max(int(blocks.max()) if blocks.numel() else 0, int(slots.max()) // bs if tokens else 0) + 1
         rows = self._fit(need, u.shape[1], u.device)
         # what each token leaves behind: the reading at each block's last token and at each request's last
         req = torch.repeat_interleave(torch.arange(n_req, device=u.device), lengths)
@@ -104,18 +104,17 @@ class ReadingTable:
         block it carries from: the prefix cache lets a request start on a block that another request of
         the same step is filling."""
         bs = self.block_size
-        filler = {
-            int(b): i
-            for i in requests
-            for b in (slots[int(starts[i]) : int(starts[i + 1])][keep[int(starts[i]) : int(starts[i + 1])]] // bs).tolist()
-        }
+        spans = {i: (int(starts[i]), int(starts[i + 1])) for i in requests}
+        filler = {int(b): i for i, (lo, hi) in spans.items() for b in (slots[lo:hi][keep[lo:hi]] // bs).tolist()}
+        # the request each one waits for: the filler of its carry's block, where that is another request
+        source = {i: filler.get(int(held[i]), i) for i in requests}
         waiting, done = list(requests), set()
         while waiting:
-            ready = [i for i in waiting if filler.get(int(held[i]), i) in done or filler.get(int(held[i]), i) == i]
+            ready = [i for i in waiting if source[i] == i or source[i] in done]
             if not ready:
                 raise AloeSpecError("ALOE: the running reading found requests that carry from each other's blocks")
             for i in ready:
-                lo, hi = int(starts[i]), int(starts[i + 1])
+                lo, hi = spans[i]
                 out[lo:hi] = running_sum(u[None, lo:hi], self.decay, carry=self._carry(rows, held[i : i + 1]))[0]
                 mine = keep[lo:hi]
                 rows[slots[lo:hi][mine] // bs] = out[lo:hi][mine].to(rows.dtype)
