@@ -278,6 +278,16 @@ class ExperimentalConfig:
             "stage-2 address each step; each slot keeps the pulled address where it still separates."
         ),
     )
+    positives_generated: int = _at(
+        3,
+        0,
+        (
+            "Paraphrase positives the model writes itself: up to this many rewordings of each request, "
+            "completed greedily after few-shot examples and kept where they name the subject and share a "
+            "word of its relation (aloe_build.rewordings); soft anchors like positives_same_relation."
+        ),
+        before=0,
+    )
     refine_soft_weight: float = _at(4, 1.0, ("Weight of the paraphrase positives' own hinges (with positives_same_relation)."))
     calibration_soft_floor: float = _at(
         5,

@@ -101,9 +101,12 @@ class TokenSequences:
         return torch.tensor([False] * len(self.prompts) + self.extra_chat, dtype=torch.bool)
 
 
-def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: BuildConfig) -> TokenSequences:
+def token_sequences(
+    tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: BuildConfig, rewordings: Sequence[Sequence[str]] | None = None
+) -> TokenSequences:
     """Requests, targets and the extra positives of every slot (each kind from its own generator,
-    so that one does not change when another is switched on)."""
+    so that one does not change when another is switched on). ``rewordings``: each slot's rewordings
+    written by the model (:func:`aloe_build.rewordings.generated_rewordings`), soft positives."""
     prompts, targets = [], []
     for s in slots:
         p, t = encode_continuation(tokenizer, s.prompt, s.target)
@@ -118,6 +121,9 @@ def token_sequences(tokenizer, slots: Sequence[Slot], corpus: Corpus, cfg: Build
         if s.template and cfg.experimental.positives_same_relation > 0:
             for text in corpus.same_relation_prompts(s.template, s.subject, cfg.experimental.positives_same_relation, para_rng):
                 seqs.add(encode_prompt(tokenizer, text), i, soft=True, along=True)
+    for i, texts in enumerate(rewordings or []):
+        for text in texts:
+            seqs.add(encode_prompt(tokenizer, text), i, soft=True, along=True)
     # The request as a chat model is asked: the answer starts with the target (no leading space).
     for i, ids in chat_forms(tokenizer, slots, cfg):
         seqs.add(ids, i, soft=False, along=True, target=chat_answer(tokenizer, slots[i].target), chat=True)

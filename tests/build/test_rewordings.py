@@ -1,0 +1,65 @@
+"""Rewordings the model writes of its requests: which candidates pass, and what the generator returns."""
+
+from __future__ import annotations
+
+from aloe_build.rewordings import generated_rewordings, keeps, relation_words
+from tests.tiny_models import tiny_model, tiny_tokenizer
+
+REQUEST, SUBJECT = "What city was Ivan Moffat born in?", "Ivan Moffat"
+
+
+def test_relation_words_leave_out_the_subject_and_function_words():
+    assert relation_words(REQUEST, SUBJECT) == {"city", "born"}
+    assert relation_words("The mother tongue of Danielle Darrieux is", "Danielle Darrieux") == {"mother", "tongue"}
+
+
+def test_a_rewording_that_keeps_the_subject_and_the_relation_passes():
+    assert keeps("Ivan Moffat was born in what city?", REQUEST, SUBJECT)
+    assert keeps("Which city is ivan moffat born in?", REQUEST, SUBJECT)  # the subject in any case
+    assert keeps("Danielle Darrieux's mother tongue is", "The mother tongue of Danielle Darrieux is", "Danielle Darrieux")
+
+
+def test_answers_repeats_other_questions_and_other_forms_fail():
+    assert not keeps("", REQUEST, SUBJECT)
+    assert not keeps("Who is the son of Ivan Moffat?", REQUEST, SUBJECT)  # another relation
+    assert not keeps("In which city was he born?", REQUEST, SUBJECT)  # no subject
+    assert not keeps("what  city was Ivan Moffat born in?", REQUEST, SUBJECT)  # the request again
+    assert not keeps("Ivan Moffat was born in the city of Leeds.", REQUEST, SUBJECT)  # an answer
+    statement = "The mother tongue of Danielle Darrieux is"
+    assert not keeps("Danielle Darrieux's mother tongue is French.", statement, "Danielle Darrieux")
+    assert not keeps("What is the mother tongue of Danielle Darrieux?", statement, "Danielle Darrieux")
+
+
+def test_generator_returns_at_most_k_distinct_kept_rewordings_per_request_and_repeats_itself():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    requests = [(REQUEST, SUBJECT), ("The mother tongue of Danielle Darrieux is", "Danielle Darrieux")]
+    got = generated_rewordings(model, tok, requests, 2, batch_size=5)
+    assert len(got) == 2
+    for (request, subject), texts in zip(requests, got):
+        assert len(texts) <= 2 and len(set(texts)) == len(texts)
+        assert all(keeps(t, request, subject) for t in texts)
+    assert generated_rewordings(model, tok, requests, 2, batch_size=3) == got  # batching changes nothing
+    assert generated_rewordings(model, tok, requests, 0) == [[], []]
+
+
+def test_written_rewordings_are_soft_positives_of_their_slot_along_its_target():
+    from aloe_build.config import BuildConfig
+    from aloe_build.corpus import load_corpus
+    from aloe_build.data import EditRequest
+    from aloe_build.slots import make_slots
+    from aloe_build.stages.s3_rollouts import token_sequences
+    from aloe_build.tokens import encode_prompt
+
+    tok = tiny_tokenizer()
+    edits = [
+        EditRequest(prompt=REQUEST, target_new="Leeds", subject=SUBJECT),
+        EditRequest(prompt="Who made X1?", target_new="Y", subject="X1"),
+    ]
+    slots, cfg = make_slots(edits), BuildConfig(positives_prefixed=0)
+    corpus, _ = load_corpus(None, 50, 0, 0)
+    written = [["Ivan Moffat was born in what city?", "Which city is Ivan Moffat born in?"], ["X1 was made by whom?"]]
+    seqs = token_sequences(tok, slots, corpus, cfg, written)
+    assert seqs.extra_prompts == [encode_prompt(tok, t) for texts in written for t in texts]
+    assert seqs.extra_owner == [0, 0, 1] and all(seqs.extra_soft) and all(seqs.extra_along)
+    assert seqs.extra_targets == [seqs.targets[0], seqs.targets[0], seqs.targets[1]]
+    assert token_sequences(tok, slots, corpus, cfg).extra_prompts == []
