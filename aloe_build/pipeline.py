@@ -37,7 +37,7 @@ from .forward import model_device
 from .mechanism_protocol import build_encoder
 from .models import cache_root, default_layer, model_name
 from .open_gates import open_gates
-from .rewordings import generated_rewordings
+from .rewordings import kept_rewordings
 from .slot_sets import NegativeSet
 from .slots import Slot, make_slots, same_prompt_matrix
 from .stages import s4_refine, s5_calibrate
@@ -239,7 +239,7 @@ class _Build:
         self.report.stage("1_encoder", clock, reused=reused, corpus=str(corpus_path), **enc_metrics)
         self.say(f"1_encoder: {'reused' if reused else 'trained'}; {_encoder_summary(enc_metrics)}")
         asked = [(s.prompt, s.subject) for s in self.slots]
-        rewordings = generated_rewordings(model, tokenizer, asked, cfg.experimental.positives_generated, cfg.batch_size)
+        rewordings = kept_rewordings(model, tokenizer, asked, cfg, self.ckpt)
         seqs = token_sequences(tokenizer, self.slots, corpus, cfg, rewordings)
         # (2) initial addresses from the request states
         prompts = [s.prompt for s in self.slots]

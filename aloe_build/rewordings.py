@@ -11,11 +11,13 @@ word of the request's relation (the words that are neither the subject's nor fun
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Sequence
 
 from torch import nn
 
+from .checkpoints import write_atomically
 from .forward import greedy_generate
 from .tokens import pad_id
 
@@ -143,3 +145,19 @@ def generated_rewordings(
         if len(kept[i]) < k and text not in kept[i] and keeps(text, request, subject):
             kept[i].append(text)
     return kept
+
+
+def kept_rewordings(model: nn.Module, tokenizer, requests: Sequence[tuple[str, str]], cfg, ckpt) -> list[list[str]]:
+    """:func:`generated_rewordings` of ``cfg.experimental.positives_generated`` per request, kept in the
+    build's checkpoint folder under its stage-3 key (``ckpt``, a :class:`.checkpoints.StageCheckpoints`),
+    so that a resumed build does not write them again."""
+    k, key = cfg.experimental.positives_generated, ckpt.key("3_rollouts")
+    file = ckpt.root / "rewordings.json" if ckpt.root is not None and k > 0 else None
+    if file is not None and file.is_file():
+        saved = json.loads(file.read_text())
+        if saved.get("key") == key:
+            return saved["rewordings"]
+    got = generated_rewordings(model, tokenizer, requests, k, cfg.batch_size)
+    if file is not None:
+        write_atomically(file, lambda tmp: tmp.write_text(json.dumps({"key": key, "rewordings": got})))
+    return got

@@ -63,3 +63,26 @@ def test_written_rewordings_are_soft_positives_of_their_slot_along_its_target():
     assert seqs.extra_owner == [0, 0, 1] and all(seqs.extra_soft) and all(seqs.extra_along)
     assert seqs.extra_targets == [seqs.targets[0], seqs.targets[0], seqs.targets[1]]
     assert token_sequences(tok, slots, corpus, cfg).extra_prompts == []
+
+
+def test_rewordings_are_kept_under_the_stage_3_key_and_written_again_for_another(tmp_path, monkeypatch):
+    import aloe_build.rewordings as rewordings
+    from aloe_build.checkpoints import StageCheckpoints
+    from aloe_build.config import BuildConfig
+
+    calls = []
+
+    def fake(model, tokenizer, requests, k, batch_size):
+        calls.append(k)
+        return [[f"{p} #{len(calls)}"] for p, _ in requests]
+
+    monkeypatch.setattr(rewordings, "generated_rewordings", fake)
+    asked = [(REQUEST, SUBJECT)]
+    cfg = BuildConfig(positives_generated=2)
+    first = rewordings.kept_rewordings(None, None, asked, cfg, StageCheckpoints(tmp_path, "base", cfg))
+    again = rewordings.kept_rewordings(None, None, asked, cfg, StageCheckpoints(tmp_path, "base", cfg))
+    assert first == again == [[f"{REQUEST} #1"]] and calls == [2]  # read back, not written again
+    other = rewordings.kept_rewordings(None, None, asked, cfg, StageCheckpoints(tmp_path, "other requests", cfg))
+    assert other == [[f"{REQUEST} #2"]] and calls == [2, 2]
+    unkept = rewordings.kept_rewordings(None, None, asked, cfg, StageCheckpoints(None, "base", cfg))
+    assert unkept == [[f"{REQUEST} #3"]]
