@@ -17,9 +17,10 @@ from typing import Sequence
 
 from torch import nn
 
-from .checkpoints import write_atomically
+from .checkpoints import StageCheckpoints, write_atomically
+from .config import BuildConfig
 from .forward import greedy_generate
-from .tokens import pad_id
+from .tokens import encode_prompt, pad_id
 
 #: tokens a candidate may take (a rewording is one line)
 CANDIDATE_TOKENS = 24
@@ -128,7 +129,7 @@ def generated_rewordings(
     jobs: list[tuple[int, list[int]]] = []
     for i, (request, _) in enumerate(requests):
         for shots in _QUESTION_SHOTS if is_question(request) else _STATEMENT_SHOTS:
-            jobs.append((i, tokenizer(_shot_prompt(shots, request), add_special_tokens=False).input_ids))
+            jobs.append((i, encode_prompt(tokenizer, _shot_prompt(shots, request))))
     outs = greedy_generate(
         model,
         [ids for _, ids in jobs],
@@ -147,9 +148,11 @@ def generated_rewordings(
     return kept
 
 
-def kept_rewordings(model: nn.Module, tokenizer, requests: Sequence[tuple[str, str]], cfg, ckpt) -> list[list[str]]:
+def kept_rewordings(
+    model: nn.Module, tokenizer, requests: Sequence[tuple[str, str]], cfg: BuildConfig, ckpt: StageCheckpoints
+) -> list[list[str]]:
     """:func:`generated_rewordings` of ``cfg.experimental.positives_generated`` per request, kept in the
-    build's checkpoint folder under its stage-3 key (``ckpt``, a :class:`.checkpoints.StageCheckpoints`),
+    build's checkpoint folder (``ckpt``) under its stage-3 key,
     so that a resumed build does not write them again."""
     k, key = cfg.experimental.positives_generated, ckpt.key("3_rollouts")
     file = ckpt.root / "rewordings.json" if ckpt.root is not None and k > 0 else None
