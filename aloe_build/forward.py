@@ -353,19 +353,9 @@ def _generate(
                     steps.append(nxt)
                     if step + 1 == kmax and capture is None:
                         break
-                    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-                    pos = pos[:, -1:] + 1
                     # the last generated token is fed only for its state, up to the edited layer
                     box["stop"] = step + 1 == kmax
-                    res = run_until_stopped(
-                        model,
-                        input_ids=nxt[:, None],
-                        attention_mask=mask,
-                        position_ids=pos,
-                        past_key_values=res.past_key_values,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
+                    res, mask, pos = feed_tokens(model, nxt, mask, pos, res.past_key_values)
                     captured.append(box.get("h"))
                 if steps:
                     gen = torch.stack(steps, dim=1).cpu()
@@ -383,6 +373,24 @@ def _generate(
     finally:
         bar.close()
     return out, states
+
+
+def feed_tokens(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past):
+    """One decoding step: ``tokens`` (B,) after the cached ``past``, whose attention mask and last
+    position ids are ``mask`` and ``pos``; returns ``(output or None, mask, pos)`` extended by the step
+    (the output None where a capture hook cut the pass short)."""
+    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+    pos = pos[:, -1:] + 1
+    res = run_until_stopped(
+        model,
+        input_ids=tokens[:, None],
+        attention_mask=mask,
+        position_ids=pos,
+        past_key_values=past,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return res, mask, pos
 
 
 def run_until_stopped(model: nn.Module, **inputs):

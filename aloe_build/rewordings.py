@@ -19,7 +19,8 @@ from torch import nn
 
 from .checkpoints import StageCheckpoints, write_atomically
 from .config import BuildConfig
-from .forward import greedy_generate
+from .forward import greedy_generate, progress_bar
+from .prefix_generate import generate_after_prefix
 from .tokens import encode_prompt, pad_id
 
 #: tokens a candidate may take (a rewording is one line)
@@ -88,9 +89,13 @@ _FUNCTION_WORDS = frozenset(
 )
 
 
-def _shot_prompt(shots: Sequence[tuple[str, str]], request: str) -> str:
+def _shot_prefix(shots: Sequence[tuple[str, str]]) -> str:
     lines = [f"Original: {a}\nReworded: {b}\n" for a, b in shots]
-    return "\n".join(lines) + f"\nOriginal: {request}\nReworded:"
+    return "\n".join(lines) + "\nOriginal:"
+
+
+def _shot_prompt(shots: Sequence[tuple[str, str]], request: str) -> str:
+    return _shot_prefix(shots) + f" {request}\nReworded:"
 
 
 def _words(text: str) -> set[str]:
@@ -126,19 +131,46 @@ def generated_rewordings(
     after each shot set of the request's form (module doc); ``k`` = 0 gives none."""
     if k <= 0:
         return [[] for _ in requests]
+    # each shot set's examples run once (generate_after_prefix); a prompt whose tokens do not start
+    # with its prefix's (a merge across the boundary) runs whole
     jobs: list[tuple[int, list[int]]] = []
+    shared: dict[int, list[int]] = {}  # job -> its tokens after the shot set's prefix
+    prefixes: dict[int, list[int]] = {}  # job -> the shot set's prefix tokens
     for i, (request, _) in enumerate(requests):
         for shots in _QUESTION_SHOTS if is_question(request) else _STATEMENT_SHOTS:
-            jobs.append((i, encode_prompt(tokenizer, _shot_prompt(shots, request))))
-    outs = greedy_generate(
-        model,
-        [ids for _, ids in jobs],
-        CANDIDATE_TOKENS,
-        pad_id=pad_id(tokenizer),
-        batch_size=batch_size,
-        progress=True,
-        desc="stage 3: rewordings",
-    )
+            ids = encode_prompt(tokenizer, _shot_prompt(shots, request))
+            pre = encode_prompt(tokenizer, _shot_prefix(shots))
+            if len(ids) > len(pre) and ids[: len(pre)] == pre:
+                shared[len(jobs)], prefixes[len(jobs)] = ids[len(pre) :], pre
+            jobs.append((i, ids))
+    outs: list[list[int]] = [[] for _ in jobs]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, pre in prefixes.items():
+        groups.setdefault(tuple(pre), []).append(j)
+    bar = progress_bar(len(jobs), "stage 3: rewordings", True)
+    try:
+        for pre, members in groups.items():
+            got = generate_after_prefix(
+                model,
+                pre,
+                [shared[j] for j in members],
+                CANDIDATE_TOKENS,
+                pad_id=pad_id(tokenizer),
+                finished=lambda toks: "\n" in tokenizer.decode(toks, skip_special_tokens=True),
+                batch_size=batch_size,
+            )
+            for j, o in zip(members, got):
+                outs[j] = o
+            bar.update(len(members))
+        whole = [j for j in range(len(jobs)) if j not in shared]
+        got = greedy_generate(
+            model, [jobs[j][1] for j in whole], CANDIDATE_TOKENS, pad_id=pad_id(tokenizer), batch_size=batch_size
+        )
+        for j, o in zip(whole, got):
+            outs[j] = o
+        bar.update(len(whole))
+    finally:
+        bar.close()
     kept: list[list[str]] = [[] for _ in requests]
     for (i, _), out in zip(jobs, outs):
         text = tokenizer.decode(out, skip_special_tokens=True).split("\n")[0].strip()

@@ -86,3 +86,27 @@ def test_rewordings_are_kept_under_the_stage_3_key_and_written_again_for_another
     assert other == [[f"{REQUEST} #2"]] and calls == [2, 2]
     unkept = rewordings.kept_rewordings(None, None, asked, cfg, StageCheckpoints(None, "base", cfg))
     assert unkept == [[f"{REQUEST} #3"]]
+
+
+def test_generation_after_a_shared_prefix_matches_whole_prompts_and_stops_when_rows_finish():
+    import pytest
+    import torch
+
+    from aloe_build.forward import greedy_generate
+    from aloe_build.prefix_generate import generate_after_prefix
+
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, 100, (11,), generator=gen).tolist()
+    suffixes = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (1, 5, 3, 7, 2)]
+    whole = greedy_generate(model, [prefix + s for s in suffixes], 6, pad_id=0, batch_size=1)  # no padding
+    for size in (1, 2, 5):
+        assert generate_after_prefix(model, prefix, suffixes, 6, pad_id=0, batch_size=size) == whole
+    # a batch stops once every row is finished; each row's tokens are still a prefix of its whole run
+    short = generate_after_prefix(model, prefix, suffixes, 6, pad_id=0, batch_size=5, finished=lambda t: len(t) >= 2)
+    assert [len(r) for r in short] == [2] * 5 and all(w[:2] == r for w, r in zip(whole, short))
+    assert generate_after_prefix(model, prefix, [], 6, pad_id=0) == []
+    with pytest.raises(ValueError, match="prefix is empty"):
+        generate_after_prefix(model, [], suffixes, 6, pad_id=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_after_prefix(model, prefix, [[1], []], 6, pad_id=0)
