@@ -35,6 +35,19 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "a served chat model: edits fire through the chat template, each in a slot of its own",
         {"positives_chat": True, "chat_slots": True, "calibration_negative_slack": 6.0},
     ),
+    "broad": (
+        "facts asked in other words or after other text: a running reading, relation templates and "
+        "rewordings the model writes as positives, gates opened three quarters of the way to them",
+        {
+            "reading_decay": 0.85,
+            "positives_same_relation": 8,
+            "positives_generated": 6,
+            "positives_prefixed": 8,
+            "negatives_after_statement": 4,
+            "calibration_open_at": 0.75,
+            "calibration_negative_slack": 6.0,
+        },
+    ),
     "large": (
         "thousands of edits: each gate's edge further above its worst negative, for locality",
         {"calibration_negative_slack": 6.0},

@@ -132,6 +132,8 @@ def test_presets_set_their_fields_and_overrides_win():
     assert (demo.encoder_records, demo.encoder_steps, demo.finetune_steps) == (1500, 600, 50)
     assert demo.chat.positives_chat and demo.chat.chat_slots
     assert BuildConfig.preset("quick", encoder_steps=5).encoder_steps == 5
+    broad = BuildConfig.preset("broad")
+    assert (broad.reading_decay, broad.experimental.positives_generated, broad.calibration_open_at) == (0.85, 6, 0.75)
     for name in PRESETS:
         BuildConfig.preset(name)
     with pytest.raises(ValueError, match="unknown preset 'fast'.*quick"):

@@ -25,5 +25,5 @@ def test_docs_options_md_is_up_to_date():
 
 def test_build_help_lists_presets_and_settings():
     out = subprocess.run([sys.executable, "-m", "aloe_cli", "build", "--help"], capture_output=True, text=True, check=True).stdout
-    assert "--preset {default,quick,demo,questions,chat,large}" in out.replace("\n", " ").replace("  ", " ")
+    assert "--preset {default,quick,demo,questions,chat,broad,large}" in out.replace("\n", " ").replace("  ", " ")
     assert "refine_steps = 3000" in out
