@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .forward import batches, feed_tokens, model_device, progress_bar
+from .forward import batches, feed_tokens, model_device
 from .tokens import left_pad
 
 __all__ = ["generate_after_prefix"]
@@ -30,8 +30,6 @@ def generate_after_prefix(
     pad_id: int,
     finished: Callable[[list[int]], bool] | None = None,
     batch_size: int = 32,
-    progress: bool = False,
-    desc: str = "generate",
 ) -> list[list[int]]:
     """Greedy continuations of ``prefix + suffixes[i]``, at most ``max_tokens`` each.
 
@@ -49,35 +47,30 @@ def generate_after_prefix(
     device = model_device(model)
     width = len(prefix)
     order = sorted(range(len(suffixes)), key=lambda i: (len(suffixes[i]), i))
-    bar = progress_bar(len(suffixes), desc, progress)
-    try:
-        with torch.inference_mode():
-            shared = model(input_ids=torch.tensor([list(prefix)], device=device), use_cache=True).past_key_values
-            for batch in batches(order, batch_size):
-                cache = copy.deepcopy(shared)
-                cache.batch_repeat_interleave(len(batch))
-                ids, own_mask, own_pos = left_pad([suffixes[i] for i in batch], pad_id, device)
-                mask = torch.cat([own_mask.new_ones((len(batch), width)), own_mask], dim=1)
-                pos = own_pos + width
-                res = model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                rows: list[list[int]] = [[] for _ in batch]
-                for step in range(max_tokens):
-                    nxt = res.logits[:, -1].argmax(-1)
-                    for row, token in zip(rows, nxt.tolist()):
-                        row.append(int(token))
-                    if step + 1 == max_tokens or (finished is not None and all(finished(r) for r in rows)):
-                        break
-                    res, mask, pos = feed_tokens(model, nxt, mask, pos, res.past_key_values)
-                for b, i in enumerate(batch):
-                    out[i] = rows[b]
-                bar.update(len(batch))
-    finally:
-        bar.close()
+    with torch.inference_mode():
+        shared = model(input_ids=torch.tensor([list(prefix)], device=device), use_cache=True).past_key_values
+        for batch in batches(order, batch_size):
+            cache = copy.deepcopy(shared)
+            cache.batch_repeat_interleave(len(batch))
+            ids, own_mask, own_pos = left_pad([suffixes[i] for i in batch], pad_id, device)
+            mask = torch.cat([own_mask.new_ones((len(batch), width)), own_mask], dim=1)
+            pos = own_pos + width
+            res = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            rows: list[list[int]] = [[] for _ in batch]
+            for step in range(max_tokens):
+                nxt = res.logits[:, -1].argmax(-1)
+                for row, token in zip(rows, nxt.tolist()):
+                    row.append(int(token))
+                if step + 1 == max_tokens or (finished is not None and all(finished(r) for r in rows)):
+                    break
+                res, mask, pos = feed_tokens(model, nxt, mask, pos, res.past_key_values)
+            for b, i in enumerate(batch):
+                out[i] = rows[b]
     return out

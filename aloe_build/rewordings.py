@@ -132,28 +132,25 @@ def generated_rewordings(
     if k <= 0:
         return [[] for _ in requests]
     # each shot set's examples run once (generate_after_prefix); a prompt whose tokens do not start
-    # with its prefix's (a merge across the boundary) runs whole
+    # with its shot set's (a merge across the boundary) runs whole
+    prefix_ids = {shots: encode_prompt(tokenizer, _shot_prefix(shots)) for shots in _QUESTION_SHOTS + _STATEMENT_SHOTS}
     jobs: list[tuple[int, list[int]]] = []
-    shared: dict[int, list[int]] = {}  # job -> its tokens after the shot set's prefix
-    prefixes: dict[int, list[int]] = {}  # job -> the shot set's prefix tokens
+    groups: dict[tuple[tuple[str, str], ...], list[int]] = {}  # shot set -> the jobs that continue its prefix
     for i, (request, _) in enumerate(requests):
         for shots in _QUESTION_SHOTS if is_question(request) else _STATEMENT_SHOTS:
-            ids = encode_prompt(tokenizer, _shot_prompt(shots, request))
-            pre = encode_prompt(tokenizer, _shot_prefix(shots))
+            ids, pre = encode_prompt(tokenizer, _shot_prompt(shots, request)), prefix_ids[shots]
             if len(ids) > len(pre) and ids[: len(pre)] == pre:
-                shared[len(jobs)], prefixes[len(jobs)] = ids[len(pre) :], pre
+                groups.setdefault(shots, []).append(len(jobs))
             jobs.append((i, ids))
     outs: list[list[int]] = [[] for _ in jobs]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for j, pre in prefixes.items():
-        groups.setdefault(tuple(pre), []).append(j)
     bar = progress_bar(len(jobs), "stage 3: rewordings", True)
     try:
-        for pre, members in groups.items():
+        for shots, members in groups.items():
+            pre = prefix_ids[shots]
             got = generate_after_prefix(
                 model,
                 pre,
-                [shared[j] for j in members],
+                [jobs[j][1][len(pre) :] for j in members],
                 CANDIDATE_TOKENS,
                 pad_id=pad_id(tokenizer),
                 finished=lambda toks: "\n" in tokenizer.decode(toks, skip_special_tokens=True),
@@ -162,7 +159,8 @@ def generated_rewordings(
             for j, o in zip(members, got):
                 outs[j] = o
             bar.update(len(members))
-        whole = [j for j in range(len(jobs)) if j not in shared]
+        grouped = {j for members in groups.values() for j in members}
+        whole = [j for j in range(len(jobs)) if j not in grouped]
         got = greedy_generate(
             model, [jobs[j][1] for j in whole], CANDIDATE_TOKENS, pad_id=pad_id(tokenizer), batch_size=batch_size
         )
