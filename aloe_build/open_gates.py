@@ -22,8 +22,7 @@ from .sparse_warnings import quiet_sparse
 # Entries this far below the open floor are gated too, so that rounding between the floor and the
 # gate formula can never drop a gate that the formula opens; the formula's own zeros are dropped after.
 _FLOOR_SLACK = 1e-3
-# float32 scores per block: 4,292 states at 7,819 slots; the stage's memory beyond its states is
-# then mostly the n x n system and its factorisation
+# float32 scores per block: 4,292 states at 7,819 slots
 _BLOCK_BYTES = 128 * 2**20
 
 
@@ -68,14 +67,3 @@ def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, c
             values = gates_from_scores(scores[rows, slots], tau[slots], alpha[slots], op.gate_eps)
             keep = values > 0
             yield OpenGates(block.shape[0], rows[keep], slots[keep], values[keep])
-
-
-def add_gram_(A: torch.Tensor, S: torch.Tensor, weight: float = 1.0) -> None:
-    """``A += weight * S^T S`` (A: dense (n, n) float64) for a block's gates ``S`` as given by
-    :meth:`OpenGates.sparse`: through the open gates only."""
-    if S._nnz() == 0:
-        return
-    with quiet_sparse():
-        gram = torch.sparse.mm(S.t(), S).coalesce()
-    i, j = gram.indices()
-    A.index_put_((i, j), weight * gram.values(), accumulate=True)

@@ -13,7 +13,8 @@ from aloe_kernels import AloeOperator
 from aloe_kernels.reference import gates_from_scores
 
 from ..config import BuildConfig
-from ..open_gates import OpenGates, add_gram_, open_gates
+from ..open_gates import OpenGates, open_gates
+from ..sparse_solve import SparseGram, solve_spd
 
 
 def gates_of(states: torch.Tensor, op: AloeOperator, chunk: int = 8192) -> torch.Tensor:
@@ -58,9 +59,10 @@ def ridge_writes(
     ``negatives`` may be several tensors (read in place, never concatenated). Gating every
     negative at every slot is the stage's cost, so ``tally``, if given, also counts their gates
     (the build report's gate statistics need the same pass). Only the open gates are kept
-    (:mod:`.open_gates`): the products cost what the open gates do, not N times n.
+    (:mod:`.open_gates`): the products cost what the open gates do, not N times n, and the system
+    stays sparse, solved one group of slots that open together at a time (:mod:`..sparse_solve`).
     """
-    A = cfg.ridge_mu * torch.eye(op.n, dtype=torch.float64)
+    A = SparseGram(op.n, cfg.ridge_mu)
     rhs = torch.zeros(op.n, deltas.shape[1], dtype=torch.float64)  # G+^T Y
     targets = deltas.double()
     lo = 0
@@ -69,13 +71,13 @@ def ridge_writes(
         lo += Gp.n_rows
         Y = Gp.at(owner).double()[:, None] * targets[owner]  # (piece, d_out)
         S = Gp.sparse(op.n)
-        add_gram_(A, S)
+        A.add_(S)
         rhs += torch.sparse.mm(S.t(), Y)
     for Gn in open_gates(negatives, op):
         if tally is not None:
             tally.add(Gn)
-        add_gram_(A, Gn.sparse(op.n), cfg.ridge_lambda)
-    writes = torch.linalg.solve(A, rhs)  # (n, d_out)
+        A.add_(Gn.sparse(op.n), cfg.ridge_lambda)
+    writes = solve_spd(A.matrix(), rhs)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")
     return writes.float()
