@@ -262,6 +262,9 @@ class ExperimentalConfig:
             "(0: from all), so that stage 3 shares their prefixes."
         ),
     )
+    positives_prefixed_prose: int = _at(
+        3, 0, "Context positives after this many sentences the corpus' rewordings open with, per edit.", before=0
+    )
     refine_flat_stop: float = _at(
         4,
         0.0,
@@ -465,6 +468,9 @@ class BuildConfig:
     finetune_batch: int = _at(8, 64, "Edits per fine-tuning step.")
     finetune_rescore_every: int = _at(
         8, 25, ("Every this many steps, draw only from the sequences whose target is not yet produced (0: from all).")
+    )
+    positives_prefixed_written: int = _at(
+        8, 0, "Of each edit's context positives (positives_prefixed), this many also train its write.", before=0
     )
 
     chat: ChatConfig = dataclasses.field(default_factory=ChatConfig, metadata={"group": True})

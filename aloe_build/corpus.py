@@ -40,6 +40,20 @@ def _true_statement(record: EditRequest) -> str:
     return f"{record.prompt} {record.ground_truth[0]}."
 
 
+def _leading_sentences(records: Sequence[EditRequest]) -> list[str]:
+    """The text before the sentence that asks, of each rewording that opens with some ("He died in
+    Paris aged 67. <subject> ..."): a capital first, at least four words, ending in '.', '?' or '!';
+    once each, in corpus order."""
+    out: dict[str, None] = {}
+    for r in records:
+        for text in r.rephrases:
+            at = text.find(r.subject) if r.subject else -1
+            lead = text[:at].rstrip() if at > 0 else ""
+            if lead[:1].isupper() and len(lead.split()) >= 4 and lead.endswith((".", "?", "!")):
+                out[lead] = None
+    return list(out)
+
+
 @dataclass
 class CorpusItem:
     """One training item: request t, paraphrase x+, locality input x-, same-subject other-relation prompts r-."""
@@ -73,6 +87,9 @@ class Corpus:
         # true statements of the corpus ("The mother tongue of Danielle Darrieux is French."): text
         # that can stand before a request the way a conversation or a document would
         self.statements = [_true_statement(r) for r in self.records if r.ground_truth]
+        # the sentences the corpus' rewordings open with ("He died in Paris aged 67."): prose of every
+        # kind, not facts of its relations, as a question in running text follows
+        self.prose = _leading_sentences(self.records)
         rng = random.Random(seed)
         groups = list(self.templates)
         self.items: list[CorpusItem] = []

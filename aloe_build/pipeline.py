@@ -436,14 +436,12 @@ class _Build:
     def fit_writes(self, gated: AloeOperator, roll: dict[str, torch.Tensor], seqs: TokenSequences) -> torch.Tensor:
         """Stages 6-8: write targets, the joint ridge solve and the NLL fine-tuning of the writes."""
         cfg, n = self.cfg, self.n
-        # training sequences: the requests (sequence i = slot i), the chat forms, then the rewordings whose own gate
-        # opens at their last prompt token (a write cannot reach a closed one). Prefixed requests are
-        # not trained on: the request's write carries to them.
-        train_seqs = (
-            list(range(n))
-            + seqs.trained
-            + _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"], seqs.seq_owner, seqs.seq_soft)
-        )
+        # training sequences: the requests (sequence i = slot i), the chat forms, then the rewordings and the first
+        # positives_prefixed_written context positives whose own gate opens at their last prompt token
+        # (a write cannot reach a closed one)
+        optional = seqs.seq_soft | seqs.prefixed_mask(cfg.positives_prefixed_written)
+        opened = _open_paraphrases(gated, roll["anchors"], roll["anchor_seq"], seqs.seq_owner, optional)
+        train_seqs = list(range(n)) + seqs.trained + opened
         train_owner = self.sequence_slots(seqs)[train_seqs].tolist()  # chat forms train their chat slot's write
         all_prompts = seqs.prompts + seqs.extra_prompts
         target_lens = [min(len(seqs.target(j)), cfg.max_target_tokens) for j in train_seqs]

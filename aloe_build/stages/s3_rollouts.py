@@ -86,6 +86,17 @@ class TokenSequences:
         n = len(self.prompts)
         return [n + k for k, (a, soft) in enumerate(zip(self.extra_along, self.extra_soft)) if a and not soft]
 
+    def prefixed_mask(self, per_slot: int) -> torch.Tensor:
+        """Over every anchor sequence: the first ``per_slot`` context positives of each slot (the
+        request after corpus statements: required extras anchored at the last prompt token, not chat)."""
+        mask = [False] * (len(self.prompts) + len(self.extra_prompts))
+        taken = [0] * len(self.prompts)
+        for k, (along, chat, soft, owner) in enumerate(zip(self.extra_along, self.extra_chat, self.extra_soft, self.extra_owner)):
+            if not (along or chat or soft) and taken[owner] < per_slot:
+                taken[owner] += 1
+                mask[len(self.prompts) + k] = True
+        return torch.tensor(mask, dtype=torch.bool)
+
     @property
     def seq_owner(self) -> torch.Tensor:
         """The slot of every anchor sequence: the requests (sequence i = slot i), then the extras."""
@@ -133,6 +144,11 @@ def token_sequences(
     statements = corpus.statement_pool(cfg.experimental.positives_prefix_pool, prefix_rng) if cfg.positives_prefixed > 0 else []
     for i, s in enumerate(slots):
         for text in corpus.prefixed_prompts(s.prompt, cfg.positives_prefixed, prefix_rng, statements):
+            seqs.add(encode_prompt(tokenizer, text), i, soft=False, along=False)
+    # and after prose (the sentences the corpus' rewordings open with), as a question in running text
+    prose_rng = random.Random(cfg.seed + 5)
+    for i, s in enumerate(slots if cfg.experimental.positives_prefixed_prose > 0 else []):
+        for text in corpus.prefixed_prompts(s.prompt, cfg.experimental.positives_prefixed_prose, prose_rng, corpus.prose):
             seqs.add(encode_prompt(tokenizer, text), i, soft=False, along=False)
     # The request after generic system prompts: required anchors at the assistant header, where the
     # answer starts (the writes fitted on the default form carry to them).

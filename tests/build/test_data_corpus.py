@@ -115,3 +115,34 @@ def test_distracting_pairs_follow_a_true_statement_with_another_subjects_same_re
         assert asked.subject != said.subject
         assert corpus.group_of_template[asked.template] == corpus.group_of_template[said.template]
     assert corpus.distracting_pairs(0, random.Random(0)) == []
+
+
+def test_prose_is_the_leading_sentences_of_rewordings_that_open_with_some() -> None:
+    """A rewording's text before its subject is prose when it starts with a capital, has four words
+    or more and ends a sentence; fragments, short openings and rewordings that start with the subject
+    give none; a sentence is kept once."""
+    from aloe_build.corpus import _leading_sentences
+    from aloe_build.data import EditRequest
+
+    def rec(subject: str, *rephrases: str) -> EditRequest:
+        return EditRequest(prompt=f"{subject} plays the", target_new="piano", subject=subject, rephrases=rephrases)
+
+    records = [
+        rec("Toko Yasuda", "He died in Paris aged 67. Toko Yasuda is incredible at", "Toko Yasuda plays"),
+        rec("Ann Lee", "and Sallie Beavers Riley. Ann Lee plays", "It is found in Palestine. Ann Lee plays"),
+        rec("Bo Kim", "Vol. Bo Kim plays", "Why did it rain so hard? Bo Kim plays", "He died in Paris aged 67. Bo Kim"),
+        rec("Cy Ode", "The film was released in 1990, Cy Ode plays"),
+    ]
+    assert _leading_sentences(records) == [
+        "He died in Paris aged 67.",
+        "It is found in Palestine.",
+        "Why did it rain so hard?",
+    ]
+
+
+def test_the_bundled_corpus_gives_prose_none_of_which_is_a_statement() -> None:
+    from aloe_build.corpus import load_corpus
+
+    corpus = load_corpus(None, 4000, 2, 0)[0]
+    assert len(corpus.prose) > 300
+    assert not set(corpus.prose) & set(corpus.statements)

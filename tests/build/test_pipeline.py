@@ -370,6 +370,31 @@ def test_prefixed_requests_are_anchors_of_their_edit(tmp_path):
             assert len(found) == len(own) == k
 
 
+def test_prose_prefixed_requests_are_anchors_of_their_edit(tmp_path):
+    """With ``positives_prefixed_prose`` = 2, each slot's anchors include the last-token states of its
+    request after two distinct sentences its corpus' rewordings open with, and only its own."""
+    from safetensors.torch import load_file
+
+    from aloe_build.corpus import load_corpus
+    from aloe_build.states import last_token_states
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    corpus = _tiny_corpus(tmp_path / "prose.jsonl", rephrase=lambda i, j, p: f"Record {i} said it {j} times. {p}")
+    cfg = _tiny_cfg(tmp_path, encoder_corpus=str(corpus), positives_prefixed=0, positives_prefixed_prose=2)
+    prose = load_corpus(cfg.encoder_corpus, cfg.encoder_records, 2, 0)[0].prose
+    assert len(prose) == 20  # the rewordings of the two templates that open with the subject
+    build_operator(model, tok, edits, cfg, out_dir=tmp_path / "run", log=None)
+    roll = load_file(str(tmp_path / "run" / "checkpoints" / "3_rollouts.safetensors"))
+    report = json.loads((tmp_path / "run" / "build_report.json").read_text())
+    assert report["stages"]["3_rollouts"]["paraphrase_positives"] == 2 * len(edits)
+    for i, e in enumerate(edits):
+        h = last_token_states(model, tok, [f"{p} {e.prompt}" for p in prose], 1)
+        found = [j for j in range(len(prose)) if _rows_contain(roll["anchors"], h[j : j + 1])]
+        own = [j for j in found if _rows_contain(roll["anchors"][roll["anchor_owner"] == i], h[j : j + 1])]
+        assert len(found) == len(own) == 2
+
+
 def test_shared_negatives_survive_a_change_of_encoder_training(tmp_path, monkeypatch):
     """Two builds whose encoders train differently share one pool file; a corpus change makes another."""
     from aloe_build.stages import s3_shared_pool as pool_module
@@ -742,6 +767,47 @@ def test_rewordings_train_the_writes_only_where_their_gate_opens(tmp_path):
     assert rows.numel() == report["stages"]["3_rollouts"]["paraphrase_positives"] > 0
     g = gates_of(roll["anchors"][rows], op)[torch.arange(rows.numel()), roll["anchor_owner"][rows]]
     assert report["stages"]["8_finetune"]["paraphrase_sequences"] == int((g >= 0.5).sum())
+
+
+def test_context_positives_train_the_writes_where_asked_and_their_gate_opens(tmp_path):
+    """``positives_prefixed_written`` = 2 of 3 context positives: the write stages train on exactly
+    each slot's first two prefixed requests whose own gate is at least 0.5 at their last prompt
+    token, scored with the built operator; none with it at 0."""
+    from safetensors.torch import load_file
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    edits = _edits()[:3]
+    for written in (2, 0):
+        cfg = _tiny_cfg(tmp_path, positives_prefixed=3, positives_prefixed_written=written)
+        op = build_operator(model, tok, edits, cfg, out_dir=tmp_path / f"w{written}", log=None)
+        roll = load_file(str(tmp_path / f"w{written}" / "checkpoints" / "3_rollouts.safetensors"))
+        report = json.loads((tmp_path / f"w{written}" / "build_report.json").read_text())
+        seq = roll["anchor_seq"]
+        # the prefixed requests follow the requests slot by slot, three each, one anchor each
+        asked = (seq >= op.n) & ((seq - op.n) % 3 < written)
+        assert int(asked.sum()) == written * len(edits)
+        rows = asked.nonzero().squeeze(1)
+        g = gates_of(roll["anchors"][rows], op)[torch.arange(rows.numel()), roll["anchor_owner"][rows]]
+        assert report["stages"]["8_finetune"]["paraphrase_sequences"] == int((g >= 0.5).sum())
+        if written:
+            assert int((g >= 0.5).sum()) > 0
+
+
+def test_prefixed_mask_takes_each_slots_first_context_positives_only():
+    """Rewordings (soft), chat forms and the generic-system forms (chat, at the last token) are
+    never context positives; of the prefixed requests, each slot's first ``per_slot`` are."""
+    from aloe_build.stages.s3_rollouts import TokenSequences
+
+    seqs = TokenSequences([[1], [2]], [[9], [8]], [], [], [])
+    seqs.add([3], 0, soft=True, along=True)  # 2: a rewording
+    seqs.add([4], 1, soft=False, along=True, chat=True)  # 3: a chat form
+    for k, owner in enumerate([0, 1, 0, 0, 1]):  # 4-8: prefixed requests
+        seqs.add([5 + k], owner, soft=False, along=False)
+    seqs.add([11], 0, soft=False, along=False, chat=True)  # 9: after a generic system prompt
+    assert seqs.prefixed_mask(2).nonzero().squeeze(1).tolist() == [4, 5, 6, 8]
+    assert seqs.prefixed_mask(1).nonzero().squeeze(1).tolist() == [4, 5]
+    assert not seqs.prefixed_mask(0).any()
+    assert seqs.prefixed_mask(5).shape == (10,)
 
 
 def test_open_paraphrases_picks_candidates_open_on_their_first_anchor():
