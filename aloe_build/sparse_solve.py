@@ -4,7 +4,7 @@ n x n dense matrix.
 The ridge matrix ``mu I + G+^T G+ + lambda G-^T G-`` couples two slots only where some state opens
 both their gates, and at thousands of edits almost no pair ever opens together: the matrix is block
 diagonal up to a permutation, one block per connected component of the "open together" graph. Each
-block is solved on its own, exactly (a dense Cholesky solve of its size); a single slot is a
+block is solved on its own, exactly (a dense solve of its size); a single slot is a
 division. Memory and time then follow the number of non-zero pairs, not n squared. A component too
 large for a dense solve (``dense_limit`` slots) is solved by conjugate gradients on its sparse
 matrix instead, preconditioned by its diagonal, to a stated relative residual.
@@ -46,6 +46,12 @@ class SparseGram:
             return (self._sum.coalesce() + diag).coalesce()
 
 
+def _diagonal(A: torch.Tensor) -> torch.Tensor:
+    """The diagonal of a coalesced sparse COO (k, k) matrix, float64 (zero where no entry is stored)."""
+    (i, j), v = A.indices(), A.values()
+    return torch.zeros(A.shape[0], dtype=torch.float64).index_add_(0, i[i == j], v[i == j].double())
+
+
 def components(n: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     """The connected component of each of ``n`` nodes under the edges ``(i, j)``: labels (n,), each
     the smallest node of its component (min-label propagation with pointer jumping)."""
@@ -74,7 +80,7 @@ def solve_spd(A: torch.Tensor, b: torch.Tensor, dense_limit: int = DENSE_LIMIT, 
     # members of each component, components ordered by label
     order = torch.argsort(label, stable=True)
     labels, sizes = torch.unique_consecutive(label[order], return_counts=True)
-    diag = torch.zeros(n, dtype=torch.float64).index_add_(0, i[i == j], v[i == j])
+    diag = _diagonal(A)
     single = labels[sizes == 1]
     x[single] = b[single] / diag[single, None]
     # position of each node inside its component, for scattering the entries into blocks
@@ -108,8 +114,7 @@ def conjugate_gradients(A: torch.Tensor, b: torch.Tensor, tol: float = CG_TOLERA
     a RuntimeError if ``max_iter`` (default 10 k) steps do not get there."""
     k = A.shape[0]
     max_iter = max_iter or 10 * k
-    (i, j), v = A.indices(), A.values()
-    inv_diag = 1.0 / torch.zeros(k, dtype=torch.float64).index_add_(0, i[i == j], v[i == j])
+    inv_diag = 1.0 / _diagonal(A)
     x = torch.zeros_like(b)
     r = b.clone()
     z = inv_diag[:, None] * r
