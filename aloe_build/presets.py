@@ -36,13 +36,16 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         {"positives_chat": True, "chat_slots": True, "calibration_negative_slack": 6.0},
     ),
     "broad": (
-        "facts asked in other words or after other text: a running reading, relation templates and "
-        "rewordings the model writes as positives, gates opened three quarters of the way to them",
+        "facts asked in other words or after other text: a running reading, relation templates, "
+        "rewordings the model writes and the request after other text as positives, gates opened "
+        "three quarters of the way to them",
         {
             "reading_decay": 0.85,
             "positives_same_relation": 8,
             "positives_generated": 6,
             "positives_prefixed": 8,
+            "positives_prefixed_prose": 8,
+            "positives_prefixed_written": 4,
             "negatives_after_statement": 4,
             "calibration_open_at": 0.75,
             "calibration_negative_slack": 6.0,
