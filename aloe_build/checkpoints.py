@@ -20,12 +20,17 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .config import BuildConfig
 
 
-def write_atomically(file: Path, write: Callable[[Path], object]) -> None:
+def write_atomically(file: Path, write: Callable[[Path], object], every_rank: bool = False) -> None:
     """``write(tmp)`` under a private temporary name beside ``file``, then rename it into place:
-    concurrent builds sharing a cache never read a partial file nor clobber each other's."""
+    concurrent builds sharing a cache never read a partial file nor clobber each other's. In a
+    distributed build only rank 0 writes (every rank holds the same result), unless ``every_rank``
+    (a piece of work that only its rank holds)."""
+    if not (every_rank or distributed.is_main()):
+        return
     tmp = file.parent / f".{file.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         write(tmp)
@@ -46,13 +51,15 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def save_tensors_atomically(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None) -> None:
+def save_tensors_atomically(
+    tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str] | None = None, every_rank: bool = False
+) -> None:
     """A safetensors file (with its string ``metadata``) written through :func:`write_atomically`, its
     folder made if need be."""
     from safetensors.torch import save_file
 
     file.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    write_atomically(file, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), every_rank)
 
 
 def load_tensors(file: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
@@ -145,7 +152,7 @@ class StageCheckpoints:
 
     def drop_parts(self, stage: str) -> None:
         """Remove the pieces of a stage whose checkpoint now holds the whole result."""
-        if self.root is not None:
+        if self.root is not None and distributed.is_main():
             shutil.rmtree(self.root / f"{stage}.parts", ignore_errors=True)
 
 
@@ -160,11 +167,13 @@ class PartStore:
         if root is None:
             return
         stamp = root / "key.json"
-        if root.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()).get("key") != key):
-            shutil.rmtree(root)
-        if not root.is_dir():
-            root.mkdir(parents=True)
-            write_atomically(stamp, lambda tmp: tmp.write_text(json.dumps({"key": key})))
+        if distributed.is_main():
+            if root.is_dir() and (not stamp.is_file() or json.loads(stamp.read_text()).get("key") != key):
+                shutil.rmtree(root)
+            if not root.is_dir():
+                root.mkdir(parents=True)
+                write_atomically(stamp, lambda tmp: tmp.write_text(json.dumps({"key": key})))
+        distributed.barrier()  # no rank reads the folder before rank 0 has cleared it
 
     def has(self, name: str) -> bool:
         return self.root is not None and (self.root / f"{name}.safetensors").is_file()
@@ -179,7 +188,9 @@ class PartStore:
 
     def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         if self.root is not None:
-            save_tensors_atomically({k: v.contiguous() for k, v in tensors.items()}, self.root / f"{name}.safetensors")
+            # each rank keeps the pieces it computed (their names differ: see aloe_build.chunked)
+            tensors = {k: v.contiguous() for k, v in tensors.items()}
+            save_tensors_atomically(tensors, self.root / f"{name}.safetensors", every_rank=True)
 
     def cached(self, name: str, compute: Callable[[], dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], bool]:
         """The piece ``name``: read back, or computed and saved; and whether it was read back."""

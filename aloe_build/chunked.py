@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from aloe_kernels.hf import locate_down_proj
 
+from . import distributed
 from .checkpoints import PartStore
 from .forward import Tick, generate_with_states
 from .states import StateBatch
@@ -28,8 +29,15 @@ from .tokens import end_index, pad_id, stop_ids
 CHUNK_SEQUENCES = 2048
 
 
-def _chunks(n: int) -> list[tuple[int, int]]:
-    return [(lo, min(n, lo + CHUNK_SEQUENCES)) for lo in range(0, n, CHUNK_SEQUENCES)]
+def _chunks(n: int, size: int = CHUNK_SEQUENCES) -> list[tuple[int, int]]:
+    return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
+def chunk_size(n: int) -> int:
+    """Items per chunk of a pass over ``n``: :data:`CHUNK_SEQUENCES`, and in a distributed build
+    small enough that every rank has a chunk."""
+    w = distributed.world_size()
+    return CHUNK_SEQUENCES if w == 1 else max(1, min(CHUNK_SEQUENCES, -(-n // w)))
 
 
 def _pieces(
@@ -37,23 +45,52 @@ def _pieces(
 ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
     """``(lo, hi, compute(lo, hi, tick))`` for each chunk of ``n`` items, read back from ``parts``
     where saved. The bar starts at the items already saved, so that its rate, and the time left it
-    shows, come from the work of this run only; ``tick`` advances it within a chunk."""
-    chunks = _chunks(n)
-    done = sum(hi - lo for c, (lo, hi) in enumerate(chunks) if parts is not None and parts.has(f"{name}-{c}"))
+    shows, come from the work of this run only; ``tick`` advances it within a chunk.
+
+    In a distributed build the chunks not saved are dealt out to the ranks in turn, each rank
+    computes (and saves) its own, and every rank receives all of them, a round of one chunk per
+    rank at a time. The chunks' size follows the world size and is part of their saved name, so
+    a build resumed with another world size recomputes them rather than misreading them."""
+    size = chunk_size(n)
+    chunks = _chunks(n, size)
+    label = name if size == CHUNK_SEQUENCES else f"{name}-of{size}"
+    key = [f"{label}-{c}" for c in range(len(chunks))]
+    # rank 0's view of what is saved, for every rank: a rank that looked later could see more
+    saved = distributed.from_main({c for c in range(len(chunks)) if parts is not None and parts.has(key[c])})
+    done = sum(hi - lo for c, (lo, hi) in enumerate(chunks) if c in saved)
     with tqdm(total=n, initial=done, desc=desc, leave=False) as bar:
-        for c, (lo, hi) in enumerate(chunks):
+
+        def run(c: int) -> tuple[dict[str, torch.Tensor], bool]:
+            lo, hi = chunks[c]
             ticked = [0]
 
-            def tick(k: int, ticked: list[int] = ticked) -> None:
+            def tick(k: int) -> None:
                 ticked[0] += k
                 bar.update(k)
 
             if parts is None:
                 piece, read_back = compute(lo, hi, tick), False
             else:
-                piece, read_back = parts.cached(f"{name}-{c}", lambda lo=lo, hi=hi: compute(lo, hi, tick))
-            yield lo, hi, piece
+                piece, read_back = parts.cached(key[c], lambda: compute(lo, hi, tick))
             bar.update(0 if read_back else max(0, hi - lo - ticked[0]))
+            return piece, read_back
+
+        if not distributed.active():
+            for c, (lo, hi) in enumerate(chunks):
+                yield lo, hi, run(c)[0]
+            return
+        todo = [c for c in range(len(chunks)) if c not in saved]
+        got: dict[int, dict[str, torch.Tensor]] = {}
+        w, me = distributed.world_size(), distributed.rank()
+        for start in range(0, len(todo), w):
+            turn = todo[start : start + w]
+            mine = run(turn[me])[0] if me < len(turn) else None
+            for r, piece in enumerate(distributed.gathered(mine)[: len(turn)]):
+                got[turn[r]] = piece
+                if r != me:
+                    bar.update(chunks[turn[r]][1] - chunks[turn[r]][0])
+        for c, (lo, hi) in enumerate(chunks):
+            yield lo, hi, got.pop(c) if c in got else run(c)[0]
 
 
 def chunked_states(

@@ -82,10 +82,13 @@ class EditedForward:
         desc: str = "gates and layer outputs",
         owners: Sequence[int] | None = None,
         cache_prefix: bool = True,
+        held: Sequence[int] | None = None,
     ):
         self.model, self.seqs, self.target_lens = model, [list(s) for s in seqs], list(target_lens)
         self.layer, self.d_out, self.n_slots = op.layer, op.d_out, op.n
         self.owners = list(owners) if owners is not None else list(range(len(seqs)))
+        # the sequences this process runs (a distributed build's rank: its slots'); None: all
+        self.held = None if held is None else frozenset(held)
         self.device = model_device(model)
         self.pid = pad_id(tokenizer)
         self.precision = precision
@@ -111,7 +114,8 @@ class EditedForward:
             out["hidden"] = _hidden_of(output).detach()
             raise StopForward  # the layers above are not needed here
 
-        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))  # similar lengths share a batch
+        here = range(len(self.seqs)) if self.held is None else sorted(self.held)
+        order = sorted(here, key=lambda i: len(self.seqs[i]))  # similar lengths share a batch
         handle = self.layers[self.layer].register_forward_hook(take_out)
         try:
             with capture_down_proj_input(self.model, self.layer, stop=False) as box:
@@ -130,7 +134,7 @@ class EditedForward:
                         self.hidden[i] = out["hidden"][row, real].cpu()  # the model's dtype: the upper pass takes it as is
         finally:
             handle.remove()
-        if self.seqs:
+        if order:
             self._check_upper_pass(order[:batch_size])
             if cache_prefix and self.upper_only:
                 self._cache_prefixes(order, batch_size)
@@ -177,6 +181,14 @@ class EditedForward:
         self.upper_only = bool(torch.isfinite(fast).all() and ((fast - full).abs().max() / scale) < _SAME_LOGITS_RTOL)
 
     # ---- per-batch pieces ----------------------------------------------------------------
+
+    def holds(self, rows: Sequence[int]) -> bool:
+        """Whether this process ran every one of ``rows`` up to the edited layer."""
+        return self.held is None or all(i in self.held for i in rows)
+
+    def held_of(self, rows: Sequence[int]) -> list[int]:
+        """Those of ``rows`` this process ran up to the edited layer, in order."""
+        return list(rows) if self.held is None else [i for i in rows if i in self.held]
 
     def upper_positions(self, i: int) -> int:
         """Positions of sequence ``i`` that every step runs through the upper layers (after its cache)."""
@@ -321,9 +333,11 @@ def edited_forward(
     owners: Sequence[int],
     op: AloeOperator,
     cfg: BuildConfig,
+    held: Sequence[int] | None = None,
 ) -> EditedForward:
     """The shared forward of stages 6 and 8 (gates depend only on V, tau, alpha, fixed by then).
-    Sequence i < op.n is slot i's request; later ones are extra sequences of slot ``owners[i]``."""
+    Sequence i < op.n is slot i's request; later ones are extra sequences of slot ``owners[i]``;
+    only the ``held`` ones are run (default: all)."""
     return EditedForward(
         model,
         tokenizer,
@@ -334,4 +348,5 @@ def edited_forward(
         cfg.compute_dtype,
         desc="stages 6-8: gates and layer outputs",
         owners=owners,
+        held=held,
     )

@@ -26,6 +26,7 @@ from aloe_kernels.operator import DEFAULT_EPS, DEFAULT_GATE_EPS
 from aloe_kernels.reading import reading_tracked
 from aloe_kernels.reference import gates_from_scores
 
+from . import distributed
 from .build_state import BuildState
 from .chat_slots import chat_entries, chat_slot_owner, open_at_of
 from .checkpoints import StageCheckpoints, run_key
@@ -38,7 +39,7 @@ from .mechanism_protocol import build_encoder
 from .models import cache_root, default_layer, model_name
 from .open_gates import open_gates
 from .rewordings import kept_rewordings
-from .slot_sets import NegativeSet
+from .slot_sets import negative_set
 from .slots import Slot, make_slots, same_prompt_matrix
 from .stages import s4_refine, s5_calibrate
 from .stages.s1_encoder import AddressEncoder, cache_key
@@ -179,7 +180,7 @@ class _Build:
     ):
         cfg = cfg.for_tokenizer(tokenizer)
         self.model, self.tokenizer, self.requests, self.cfg, self.base = model, tokenizer, requests, cfg, base
-        self.say = log or (lambda _msg: None)
+        self.say = log if log is not None and distributed.is_main() else (lambda _msg: None)
         self.layer = cfg.layer if cfg.layer is not None else default_layer(model)
         _validate(model, tokenizer, requests, self.layer)
         torch.manual_seed(cfg.seed)
@@ -204,7 +205,7 @@ class _Build:
     def stage(self, name: str, fn: Callable[[], tuple[dict[str, torch.Tensor], dict]]) -> dict[str, torch.Tensor]:
         """Run ``fn`` (tensors and report of the stage) unless a valid checkpoint holds its result."""
         cached = self.ckpt.load(name)
-        if cached is not None:
+        if distributed.all_agree(cached is not None):
             tensors, meta = cached
             self.report.stages[name] = {**meta.get("report", {}), "resumed": True}
             self.say(f"{name}: resumed from checkpoint")
@@ -215,6 +216,11 @@ class _Build:
         except FloatingPointError as exc:
             where = f"; checkpoints of earlier stages are kept in {self.ckpt.root}" if self.ckpt.root else ""
             raise BuildError(f"{exc}{where}") from exc
+        except Exception as exc:
+            if distributed.active():  # the launcher stops the other ranks and shows this one's error
+                raise BuildError(f"rank {distributed.rank()} failed in stage {name}: {exc!r}") from exc
+            raise
+        distributed.barrier()  # every rank is done with the stage's parts before rank 0 drops them
         read_back = self.ckpt.read_back(name)
         if read_back:  # its seconds cover the rest of the stage only
             info = {**info, "parts_read_back": read_back}
@@ -284,7 +290,7 @@ class _Build:
         problems = self.problems()
         for line in problem_lines(problems):
             self.say(line)
-        if self.out is not None:
+        if self.out is not None and distributed.is_main():
             self.out.mkdir(parents=True, exist_ok=True)
             state.save(self.out, op)
             (self.out / "build_report.json").write_text(
@@ -453,15 +459,13 @@ class _Build:
         def forward() -> EditedForward:
             if not shared:
                 keeps = statement_keeps(self.model, self.tokenizer, self.slots, self.corpus, self.layer, cfg)
+                owners = train_owner + keeps.owners
+                # a distributed build's rank runs the sequences of its share of the edits (and their chat slots)
+                mine = distributed.share(n)
+                held = [k for k, o in enumerate(owners) if o % n in mine] if distributed.active() else None
                 shared.append(
                     edited_forward(
-                        self.model,
-                        self.tokenizer,
-                        tseqs + keeps.seqs,
-                        target_lens + keeps.answer_lens,
-                        train_owner + keeps.owners,
-                        gated,
-                        cfg,
+                        self.model, self.tokenizer, tseqs + keeps.seqs, target_lens + keeps.answer_lens, owners, gated, cfg, held
                     )
                 )
             return shared[0]
@@ -525,25 +529,6 @@ def problem_lines(problems: dict[str, list[dict[str, Any]]], show: int = 5) -> l
             more = f"; and {len(slots) - show} more" if len(slots) > show else ""
             lines.append(f"WARNING: {len(slots)} {what[kind]}: {shown}{more} (build_report.json: problems.{kind})")
     return lines
-
-
-def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None, chat_slots: int = 0) -> NegativeSet:
-    """Anchors and request continuations are negatives of every slot but their own (and those of
-    the same prompt, see NegativeSet.top); the corpus pool, and the anchors of the operator an
-    append builds on, of every slot. With ``chat_slots`` (the n request slots of a build with chat
-    slots) an edit's own negatives are negatives of its chat slot n + i too."""
-    everyone = roll["pool"] if base_anchors is None else torch.cat([roll["pool"], base_anchors])
-    specific, owner = roll["specific"], roll["specific_owner"]
-    if chat_slots:
-        specific, owner = torch.cat([specific, specific]), torch.cat([owner, owner + chat_slots])
-    return NegativeSet(
-        shared=torch.cat([everyone, roll["anchors"], roll["continuations"]]),
-        shared_owner=torch.cat(
-            [torch.full((everyone.shape[0],), -1, dtype=torch.long), roll["anchor_owner"], roll["continuation_owner"]]
-        ),
-        specific=specific,
-        specific_owner=owner,
-    )
 
 
 @contextlib.contextmanager

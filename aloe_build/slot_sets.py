@@ -41,8 +41,11 @@ class NegativeSet:
         chunk: int = 512,
         stream_rows: int | None = None,
         candidates: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k hardest negatives of every slot: (scores (n, k), states (n, k, d)).
+        """The k hardest negatives of every slot: (scores (n, k), states (n, k, d)). With ``slots``
+        the rows of ``V``, ``same_prompt`` and ``candidates`` are those slots only (a distributed
+        build's share), in that order.
 
         The shared states scored are all of them, or with ``candidates`` (from
         :meth:`shared_candidates`) only each slot's own candidates: an index that the refinement
@@ -55,7 +58,7 @@ class NegativeSet:
             else:
                 best_s, best_i = self._candidate_top(V, candidates, k)
             if self.specific.shape[0]:
-                best_s, best_i = self._merge_specific(V, best_s, best_i, k)
+                best_s, best_i = self._merge_specific(V, best_s, best_i, k, slots)
             return best_s, self._states(best_i, V.device)
 
     def shared_candidates(
@@ -119,17 +122,29 @@ class NegativeSet:
             best_i[start : start + chunk, :kk] = idx.gather(1, pick).to(V.device)
         return best_s, best_i.masked_fill(best_s == -math.inf, -1)
 
-    def _merge_specific(self, V, best_s, best_i, k) -> tuple[torch.Tensor, torch.Tensor]:
+    def _merge_specific(self, V, best_s, best_i, k, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each slot's best k among its shared best and its own specific states; a specific state
         is indexed ``len(shared) + j``. One sort by owner and a padded (n, most per slot) table,
-        not a scan of all of them per slot."""
+        not a scan of all of them per slot. With ``slots``, row r of ``V`` is slot ``slots[r]``."""
         n, m = V.shape[0], self.shared.shape[0]
         owner = self.specific_owner.to(V.device)
+        if slots is not None:  # the specific states of these slots only, their owner as a row of V
+            slots = slots.to(V.device)
+            if slots.numel() == 0:
+                return best_s, best_i
+            row = torch.full((max(int(owner.max()), int(slots.max())) + 1,), -1, dtype=torch.long, device=V.device)
+            row[slots] = torch.arange(slots.numel(), device=V.device)
+            kept = (row[owner] >= 0).nonzero().squeeze(1)
+            if kept.numel() == 0:
+                return best_s, best_i
+            owner, specific, index = row[owner[kept]], self.specific[kept.to(self.specific.device)], kept
+        else:
+            specific, index = self.specific, None
         # in chunks: V[owner] for every specific state would be another copy of them all
         s_spec = torch.cat(
             [
-                torch.einsum("sd,sd->s", V[owner[j : j + 16384]], self.specific[j : j + 16384].to(V.device))
-                for j in range(0, self.specific.shape[0], 16384)
+                torch.einsum("sd,sd->s", V[owner[j : j + 16384]], specific[j : j + 16384].to(V.device))
+                for j in range(0, specific.shape[0], 16384)
             ]
         )
         order = torch.argsort(owner, stable=True)
@@ -140,7 +155,8 @@ class NegativeSet:
         sel = order[(starts[:, None] + col[None, :]).clamp_max(order.numel() - 1)]  # (n, most)
         spec_s = s_spec[sel].masked_fill(~present, -math.inf)
         vals, pick = torch.cat([best_s, spec_s], 1).topk(k, dim=1)
-        index = torch.cat([best_i, (sel + m).masked_fill(~present, -1)], 1).gather(1, pick)
+        spec_i = sel if index is None else index.to(V.device)[sel]  # back to indices into all specific states
+        index = torch.cat([best_i, (spec_i + m).masked_fill(~present, -1)], 1).gather(1, pick)
         return vals, index.masked_fill(vals == -math.inf, -1)
 
     def _states(self, index: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -152,7 +168,7 @@ class NegativeSet:
             rows = chosen.nonzero().squeeze(1)
             if rows.numel():
                 out[rows.to(device)] = source[(flat[rows] - offset).to(source.device)].to(device)
-        return out.reshape(*index.shape, -1)
+        return out.reshape(*index.shape, self.shared.shape[1])
 
 
 class SlotAnchors:
@@ -193,3 +209,22 @@ def min_anchor_scores(V: torch.Tensor, anchors: torch.Tensor, owner: torch.Tenso
     """min_{h in P_i} v_i^T h for every slot (+inf for a slot without anchors), with the gradient of
     ``min`` (:class:`SlotAnchors`; build one and reuse it where the anchors stay the same)."""
     return SlotAnchors(anchors, owner, V.shape[0]).min_scores(V)
+
+
+def negative_set(roll: dict[str, torch.Tensor], base_anchors: torch.Tensor | None = None, chat_slots: int = 0) -> NegativeSet:
+    """Anchors and request continuations are negatives of every slot but their own (and those of
+    the same prompt, see NegativeSet.top); the corpus pool, and the anchors of the operator an
+    append builds on, of every slot. With ``chat_slots`` (the n request slots of a build with chat
+    slots) an edit's own negatives are negatives of its chat slot n + i too."""
+    everyone = roll["pool"] if base_anchors is None else torch.cat([roll["pool"], base_anchors])
+    specific, owner = roll["specific"], roll["specific_owner"]
+    if chat_slots:
+        specific, owner = torch.cat([specific, specific]), torch.cat([owner, owner + chat_slots])
+    return NegativeSet(
+        shared=torch.cat([everyone, roll["anchors"], roll["continuations"]]),
+        shared_owner=torch.cat(
+            [torch.full((everyone.shape[0],), -1, dtype=torch.long), roll["anchor_owner"], roll["continuation_owner"]]
+        ),
+        specific=specific,
+        specific_owner=owner,
+    )

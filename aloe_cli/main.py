@@ -51,21 +51,44 @@ def _stats(t) -> dict[str, float] | None:
 def _cmd_build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from aloe_build import BuildConfig, build_operator, load_edits
+    from aloe_build import BuildConfig, build_operator, distributed, load_edits
 
     from .options import config_overrides, load_model_for
 
+    if args.procs > 1 and distributed.launched_ranks() == 1:
+        from .launch import launch
+
+        return launch(args.argv, args.procs)
     overrides = config_overrides(args)
     if args.layer is not None:
         overrides["layer"] = args.layer
     cfg = BuildConfig.from_dict(overrides)
     requests = load_edits(args.edits, limit=args.limit, skip_invalid=args.skip_invalid)
+    if distributed.launched_ranks() > 1 and args.device in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available():  # one GPU per process of this machine
+            args.device = f"cuda:{distributed.local_rank()}"
+            torch.cuda.set_device(distributed.local_rank())
     model, tokenizer = load_model_for(args)
-    out = Path(args.out)
-    op = build_operator(model, tokenizer, requests, cfg, out_dir=out)
-    op.save(out)
-    print(f"wrote {len(requests)} edits ({op.n} slots) to {out} (report: {out / 'build_report.json'})")
+    distributed.init_from_launcher(next(model.parameters()).device)
+    try:
+        out = Path(args.out)
+        op = build_operator(model, tokenizer, requests, cfg, out_dir=out)
+        if distributed.is_main():
+            op.save(out)
+            ranks = f" by {distributed.world_size()} processes" if distributed.active() else ""
+            print(f"wrote {len(requests)} edits ({op.n} slots) to {out}{ranks} (report: {out / 'build_report.json'})")
+    finally:
+        distributed.shutdown()
     return 0
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=int, default=None, help="edited decoder layer (default: the model family's)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N edits")
     p.add_argument("--skip-invalid", action="store_true", help="skip records with an empty target instead of failing")
+    p.add_argument(
+        "--procs",
+        type=_at_least_one,
+        default=1,
+        help="build with N processes (torch.distributed: gloo on CPU, NCCL with one GPU each); docs/options.md",
+    )
     add_config_args(p)
     add_device_args(p)
     p.set_defaults(func=_cmd_build)
@@ -113,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `aloe build --procs` runs again
     keep_freed_memory()
     func: Callable[[argparse.Namespace], int] = args.func
     try:

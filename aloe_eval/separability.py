@@ -132,8 +132,7 @@ def stage_readings(
 
 def clears_negatives(V: torch.Tensor, roll: dict[str, torch.Tensor], same_prompt: torch.Tensor) -> dict[str, float]:
     """Share of slots whose worst anchor scores above the worst negative of each kind, and of all."""
-    from aloe_build.pipeline import negative_set
-    from aloe_build.slot_sets import NegativeSet, min_anchor_scores
+    from aloe_build.slot_sets import NegativeSet, min_anchor_scores, negative_set
 
     V = V.float()
     worst_anchor = min_anchor_scores(V, roll["anchors"].float(), roll["anchor_owner"])

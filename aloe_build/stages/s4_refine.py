@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..checkpoints import PartStore
 from ..config import BuildConfig
 from ..slot_sets import NegativeSet, SlotAnchors, min_anchor_scores
@@ -103,7 +104,10 @@ def _refine(
     opt = torch.optim.AdamW([V], lr=cfg.refine_lr, weight_decay=0.0, fused=True)
     margin = cfg.refine_margin * norms.squeeze(1)
     _check_settings(cfg)
-    mining = _Mining(negatives, same_prompt, cfg)
+    mine = _share_mask(n, V.device)
+    mining = _Mining(negatives, same_prompt, cfg, mine.nonzero().squeeze(1) if distributed.active() else None)
+    if distributed.active():  # each rank's mining state is its own
+        progress = f"{progress}-rank{distributed.rank()}of{distributed.world_size()}"
     losses: list[float] = []
     hard_h, terms = None, None
     first, at_remine = _resume(parts, progress, V, opt, mining, losses)
@@ -123,11 +127,11 @@ def _refine(
             hard_h = mining.hardest(V)
             terms = None
         if terms is None or boundary or (cfg.refine_active_every > 0 and step % cfg.refine_active_every == 0):
-            terms = _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now, V, opt, cfg)
+            terms = _step_terms(anchors, anchor_owner, soft, hard_h, margin, soft_now, V, opt, cfg, mine)
         loss = terms.loss(V, cfg.experimental.refine_soft_weight)
-        if not torch.isfinite(loss):
+        losses.append(float(distributed.summed(loss.detach())))
+        if not math.isfinite(losses[-1]):
             raise FloatingPointError("stage 4 (address refinement): loss became NaN/Inf")
-        losses.append(float(loss.detach()))
         if remine and cfg.experimental.refine_flat_stop > 0 and not soft_now:
             # between re-minings the loss fell by less than refine_flat_stop of itself: the slots
             # still violating are those no step moves (a rise means newly mined negatives: go on)
@@ -139,10 +143,8 @@ def _refine(
             # once it does against its hardest ones now (the mining is exact), else go on from them
             if not remine:
                 hard_h = mining.hardest(V)
-            check = _HingeTerms(
-                anchors, anchor_owner, soft, hard_h, margin, torch.ones(n, dtype=torch.bool, device=V.device), False
-            )
-            if float(check.loss(V.detach(), 0.0)) == 0.0:
+            check = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, mine, False)
+            if float(distributed.summed(check.loss(V.detach(), 0.0))) == 0.0:
                 converged = True
                 break
             terms = None
@@ -151,8 +153,18 @@ def _refine(
         if step % 50 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
     if stats is not None:
-        stats.update(converged=converged, slots_mined_in_full=mining.full_minings)
+        mined = int(distributed.summed(torch.tensor(mining.full_minings)))
+        stats.update(converged=converged, slots_mined_in_full=mined)
     return V.detach(), losses
+
+
+def _share_mask(n: int, device: torch.device) -> torch.Tensor:
+    """The slots this process mines and scores: all, or a distributed build's share (their
+    gradients are summed, so that every rank takes the one-process step on all of V)."""
+    share = distributed.share(n)
+    mine = torch.zeros(n, dtype=torch.bool, device=device)
+    mine[share.start : share.stop] = True
+    return mine
 
 
 def _take_step(
@@ -162,6 +174,8 @@ def _take_step(
     back to its norm (refinement turns addresses, it never scales them)."""
     opt.zero_grad()
     loss.backward()
+    if distributed.active():  # each rank's gradient is its slots' rows: their sum is the whole one
+        V.grad = distributed.summed(V.grad if V.grad is not None else torch.zeros_like(V))
     opt.step()
     with torch.no_grad():
         if pull:
@@ -182,17 +196,26 @@ def _check_settings(cfg: BuildConfig) -> None:
 
 
 def _step_terms(
-    anchors, anchor_owner, soft, hard_h, margin, soft_now: bool, V: torch.Tensor, opt: torch.optim.Optimizer, cfg: BuildConfig
+    anchors,
+    anchor_owner,
+    soft,
+    hard_h,
+    margin,
+    soft_now: bool,
+    V: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    cfg: BuildConfig,
+    mine: torch.Tensor,
 ) -> "_HingeTerms":
-    """The loss terms of the next steps: every slot, or with ``refine_active_every`` the slots still
-    violating (the others' Adam momentum zeroed, so that they stay where they are)."""
-    everything = torch.ones(V.shape[0], dtype=torch.bool, device=V.device)
-    terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, everything, soft_now)
+    """The loss terms of the next steps: every slot of ``mine`` (all, or a distributed build's
+    share), or with ``refine_active_every`` those still violating (the others' Adam momentum
+    zeroed, so that they stay where they are)."""
+    terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, mine, soft_now)
     if cfg.refine_active_every > 0:
         with torch.no_grad():
             active = terms.violating(V)
         terms = _HingeTerms(anchors, anchor_owner, soft, hard_h, margin, active, soft_now)
-        _stop_coasting(opt, V, active)
+        _stop_coasting(opt, V, distributed.summed(active.long()) > 0 if distributed.active() else active)
     return terms
 
 
@@ -210,8 +233,9 @@ class _Mining:
     true hardest negative, however far an address travels (the other k - 1 mined, which stand by
     until the next re-mining, may miss one outside the candidates)."""
 
-    def __init__(self, negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig):
+    def __init__(self, negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig, here: torch.Tensor | None = None):
         self.negatives, self.same_prompt, self.cfg = negatives, same_prompt, cfg
+        self.here = here  # the slots this process mines (a distributed build's share); None: all
         self.k = cfg.refine_hard_negatives
         self.width = max(cfg.refine_candidates, self.k)
         self.candidates: torch.Tensor | None = None  # (n, width) indices into shared, -1 past the last
@@ -225,22 +249,40 @@ class _Mining:
         """States (n, refine_hard_negatives, d) of each slot's hardest negatives now, the first of
         them exact (the hinge's; the others stand by for the steps until the next re-mining)."""
         V = V.detach()
+        n, here = V.shape[0], self.here
+        rows = torch.arange(n, device=V.device) if here is None else here
         if self.cfg.refine_candidates <= 0:
-            self.full_minings += V.shape[0]
-            return self.negatives.top(V, self.same_prompt, self.k)[1]
+            self.full_minings += int(rows.numel())
+            return self._spread(self._top(V, None)[1], n)
         if self.candidates is None:
-            n = V.shape[0]
             self.candidates = torch.full((n, self.width), -1, dtype=torch.long, device=V.device)
             self.mined_at, self.floor = torch.zeros_like(V), torch.full((n,), -math.inf, dtype=V.dtype, device=V.device)
-            self._mine_in_full(V, torch.arange(n, device=V.device))
-        scores, states = self.negatives.top(V, self.same_prompt, self.k, candidates=self.candidates)
+            self._mine_in_full(V, rows)
+        scores, states = self._top(V, self.candidates)
         with torch.no_grad():
-            reach = self.floor + self.radius * (V - self.mined_at).norm(dim=1)
-            stale = (reach > scores[:, 0]).nonzero().squeeze(1)
+            reach = self.floor[rows] + self.radius * (V[rows] - self.mined_at[rows]).norm(dim=1)
+            stale = rows[(reach > scores[:, 0]).nonzero().squeeze(1)]
         if stale.numel():
             self._mine_in_full(V, stale)
-            scores, states = self.negatives.top(V, self.same_prompt, self.k, candidates=self.candidates)
-        return states
+            scores, states = self._top(V, self.candidates)
+        return self._spread(states, n)
+
+    def _top(self, V: torch.Tensor, candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`NegativeSet.top` of the slots mined here."""
+        if self.here is None:
+            return self.negatives.top(V, self.same_prompt, self.k, candidates=candidates)
+        h = self.here
+        return self.negatives.top(
+            V[h], self.same_prompt[h], self.k, candidates=None if candidates is None else candidates[h], slots=h
+        )
+
+    def _spread(self, states: torch.Tensor, n: int) -> torch.Tensor:
+        """The states of the slots mined here at their rows of all ``n`` (zeros elsewhere)."""
+        if self.here is None:
+            return states
+        out = torch.zeros(n, *states.shape[1:], dtype=states.dtype, device=states.device)
+        out[self.here] = states
+        return out
 
     def _mine_in_full(self, V: torch.Tensor, rows: torch.Tensor) -> None:
         """Score every shared state for the slots ``rows`` and keep their candidates."""

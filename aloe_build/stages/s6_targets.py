@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..checkpoints import PartStore
 from ..config import BuildConfig
 from ..edited_forward import EditedForward
@@ -49,21 +50,25 @@ def write_targets(
     deltas = torch.zeros(n, fwd.d_out)
     final_losses = [0.0] * n
     produced = [False] * n
-    batches = target_batches(fwd, rows_of, cfg.target_batch)
-    saved = {k for k in range(len(batches)) if parts is not None and parts.has(f"batch-{k}")}
+    # the slots whose sequences this process ran: all in one process, a rank's share in a distributed
+    # build (whose batches it saves under its own name)
+    here = [i for i in range(n) if fwd.holds(rows_of[i])]
+    batches = target_batches(fwd, rows_of, cfg.target_batch, here)
+    label = f"rank{distributed.rank()}of{distributed.world_size()}-batch" if distributed.active() else "batch"
+    saved = {k for k in range(len(batches)) if parts is not None and parts.has(f"{label}-{k}")}
     steps: list[int] = []
     # the bar starts past the batches read back: its rate and time left are this run's
     bar = tqdm(total=len(batches), initial=len(saved), desc="stage 6: write targets", leave=False)
     with fwd.frozen(), bar:
         for k, slots in enumerate(batches):
-            piece = parts.get(f"batch-{k}") if k in saved else None
+            piece = parts.get(f"{label}-{k}") if k in saved else None
             if piece is not None and not torch.equal(piece.get("slots", torch.empty(0)), torch.tensor(slots)):
                 piece = None  # saved by a run that formed its batches otherwise
             if piece is None:
                 piece = _target_batch(fwd, [rows_of[i] for i in slots], cfg)
                 piece["slots"] = torch.tensor(slots)
                 if parts is not None:
-                    parts.put(f"batch-{k}", piece)
+                    parts.put(f"{label}-{k}", piece)
                 bar.update(1)
             deltas[slots] = piece["delta"]
             if "steps" in piece:  # batches saved before the count was kept have none
@@ -71,6 +76,11 @@ def write_targets(
             for i, v, e in zip(slots, piece["nll"].tolist(), piece["produced"].tolist()):
                 final_losses[i], produced[i] = v, bool(e)
             bar.set_postfix(nll=f"{float(piece['nll'].mean()):.3f}")
+    if distributed.active():  # each slot was fitted on one rank, its entries zero on the others
+        deltas = distributed.summed(deltas)
+        final_losses = distributed.summed(torch.tensor(final_losses, dtype=torch.float64)).tolist()
+        produced = distributed.summed(torch.tensor(produced, dtype=torch.int64)).bool().tolist()
+        steps = [k for ks in distributed.gathered(steps) for k in ks]
     if stats is not None:
         stats["unproduced_slots"] = [i for i, made in enumerate(produced) if not made]
         if steps:
@@ -82,7 +92,9 @@ def write_targets(
     return deltas, final_losses, sum(produced) / max(n, 1)
 
 
-def target_batches(fwd: EditedForward, rows_of: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+def target_batches(
+    fwd: EditedForward, rows_of: Sequence[Sequence[int]], size: int, slots: Sequence[int] | None = None
+) -> list[list[int]]:
     """Stage 6's batches of slots. A step pads every sequence of a batch to the longest run of
     positions after a cached prefix (``EditedForward.upper_positions``), so slots are ordered by
     theirs: ordered by whole length, one sequence whose gates open early widens its batch, and
@@ -92,7 +104,7 @@ def target_batches(fwd: EditedForward, rows_of: Sequence[Sequence[int]], size: i
     def cost(i: int) -> tuple[int, int]:
         return (max(fwd.upper_positions(r) for r in rows_of[i]), max(len(fwd.seqs[r]) for r in rows_of[i]))
 
-    order = sorted(range(len(rows_of)), key=cost)
+    order = sorted(range(len(rows_of)) if slots is None else slots, key=cost)
     return [order[start : start + size] for start in range(0, len(order), size)]
 
 

@@ -4,12 +4,14 @@ minibatches of edits with the whole operator in place.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..config import BuildConfig
 from ..edited_forward import EditedForward
 
@@ -47,26 +49,48 @@ def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) 
                 pos = 0
             rows = order[pos : pos + cfg.finetune_batch]
             pos += len(rows)
-            slots, G = fwd.all_gates(rows)  # every slot open anywhere in the batch, not only the batch's own
-            loss = fwd.nll(rows, G @ U[slots]).mean()
-            if not torch.isfinite(loss):
+            loss = _batch_step(fwd, U, opt, rows)
+            if not math.isfinite(loss):
                 raise FloatingPointError("stage 8 (write fine-tuning): loss became NaN/Inf")
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+            losses.append(loss)
             bar.set_postfix(nll=f"{losses[-1]:.3f}", missed=len(order))
     return U.detach().float().cpu().clone(), losses
 
 
+def _batch_step(fwd: EditedForward, U: torch.Tensor, opt: torch.optim.Optimizer, rows: list[int]) -> float:
+    """One AdamW step on the mean target NLL of ``rows``; returns that mean. In a distributed
+    build each rank takes the batch's sequences it holds and the gradients are summed, which is
+    the one-process gradient of the whole batch."""
+    here = fwd.held_of(rows)
+    opt.zero_grad()
+    total = torch.zeros((), device=U.device)
+    if here:
+        slots, G = fwd.all_gates(here)  # every slot open anywhere in the batch, not only the batch's own
+        total = fwd.nll(here, G @ U[slots]).sum()
+        (total / len(rows)).backward()
+    if distributed.active():
+        U.grad = distributed.summed(U.grad if U.grad is not None else torch.zeros_like(U))
+        total = distributed.summed(total.detach())
+    loss = float(total.detach()) / len(rows)
+    if math.isfinite(loss):
+        opt.step()
+    return loss
+
+
 def produced_rows(fwd: EditedForward, U: torch.Tensor, rows: Sequence[int], batch: int) -> list[bool]:
     """For each of ``rows``: is every token of its target the argmax under the whole operator with
-    writes ``U`` (teacher-forced, so the same as greedy decoding reproducing the target)?"""
-    out: list[bool] = []
+    writes ``U`` (teacher-forced, so the same as greedy decoding reproducing the target)? In a
+    distributed build each rank scores the rows it holds and every rank gets all the answers."""
+    rows = list(rows)
+    here = fwd.held_of(rows)
+    made: dict[int, bool] = {}
     U = U.to(fwd.device, torch.float32)
     with torch.no_grad():
-        for start in range(0, len(rows), batch):
-            part = list(rows[start : start + batch])
+        for start in range(0, len(here), batch):
+            part = here[start : start + batch]
             slots, G = fwd.all_gates(part)
-            out += fwd.scored(part, G @ U[slots])[1].tolist()
-    return out
+            made.update(zip(part, fwd.scored(part, G @ U[slots])[1].tolist()))
+    if not distributed.active():
+        return [made[i] for i in rows]
+    flags = torch.tensor([int(made.get(i, False)) for i in rows], dtype=torch.int64)
+    return distributed.summed(flags).bool().tolist()

@@ -14,7 +14,8 @@ from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 from aloe_build.append import append_edits, load_with_state, plan_append, remove_edits, update_edits
 from aloe_build.config import BuildConfig
 from aloe_build.data import EditRequest
-from aloe_build.pipeline import build_operator, negative_set
+from aloe_build.pipeline import build_operator
+from aloe_build.slot_sets import negative_set
 from aloe_build.stages import s4_refine as addr
 from aloe_build.stages import s5_calibrate as calibration
 from aloe_build.states import collect_states
