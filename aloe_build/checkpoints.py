@@ -78,7 +78,7 @@ def cached_tensor(file: Path, compute: Callable[[], torch.Tensor], name: str = "
     there atomically (a cache shared by builds and evaluations: concurrent writers never clobber it)."""
     from safetensors.torch import load_file
 
-    if file.is_file():
+    if distributed.all_agree(file.is_file()):  # every rank computes it, or none (its passes are shared)
         return load_file(str(file))[name]
     value = compute()
     save_tensors_atomically({name: value.contiguous()}, file)

@@ -2,7 +2,8 @@
 
 A stage over thousands of edits runs hundreds of thousands of sequences through the model;
 split into chunks of :data:`CHUNK_SEQUENCES` (the same split whether or not a checkpoint
-directory is given, so a resumed build computes exactly what an uninterrupted one does), each
+directory is given and however many processes build, so a resumed or distributed build computes
+exactly what an uninterrupted one in one process does), each
 chunk's result goes to the stage's :class:`~aloe_build.checkpoints.PartStore` and an
 interrupted stage loses at most one chunk. One bar per pass counts sequences over all chunks,
 advanced after every batch inside a chunk, so that its rate and the time left it shows follow
@@ -25,19 +26,19 @@ from .states import StateBatch
 from .token_tree import PACK_TOKENS, TREES_PER_PASS, collect_states_tree
 from .tokens import end_index, pad_id, stop_ids
 
-#: Sequences per saved chunk: a few minutes of work on two CPU cores.
-CHUNK_SEQUENCES = 2048
+#: Sequences per chunk: the unit that is saved, and that a distributed build deals out to its
+#: processes. The same whatever the number of processes, so that each chunk is computed in the same
+#: batches and N processes compute the very states one does: the refinement turns a change of 1e-6
+#: in them into addresses 0.2 apart (docs/options.md, "Building large operators").
+CHUNK_SEQUENCES = 256
 
 
-def _chunks(n: int, size: int = CHUNK_SEQUENCES) -> list[tuple[int, int]]:
+#: Chunks each process of a distributed build computes between two exchanges of what they computed.
+CHUNKS_PER_GATHER = 8
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
-
-
-def chunk_size(n: int) -> int:
-    """Items per chunk of a pass over ``n``: :data:`CHUNK_SEQUENCES`, and in a distributed build
-    small enough that every rank has a chunk."""
-    w = distributed.world_size()
-    return CHUNK_SEQUENCES if w == 1 else max(1, min(CHUNK_SEQUENCES, -(-n // w)))
 
 
 def _pieces(
@@ -47,14 +48,13 @@ def _pieces(
     where saved. The bar starts at the items already saved, so that its rate, and the time left it
     shows, come from the work of this run only; ``tick`` advances it within a chunk.
 
-    In a distributed build the chunks not saved are dealt out to the ranks in turn, each rank
-    computes (and saves) its own, and every rank receives all of them, a round of one chunk per
-    rank at a time. The chunks' size follows the world size and is part of their saved name, so
-    a build resumed with another world size recomputes them rather than misreading them."""
-    size = chunk_size(n)
-    chunks = _chunks(n, size)
-    label = name if size == CHUNK_SEQUENCES else f"{name}-of{size}"
-    key = [f"{label}-{c}" for c in range(len(chunks))]
+    In a distributed build the chunks not saved are dealt out to the ranks in turn; each rank
+    computes (and saves) its own, and every rank receives all of them, gathered every
+    :data:`CHUNKS_PER_GATHER` chunks of each rank (not after each: a rank that finished its chunk
+    would wait for the others' each time). The chunks' size is part of their saved name: chunks of
+    another size are recomputed, not misread."""
+    chunks = _chunks(n, CHUNK_SEQUENCES)
+    key = [f"{name}-of{CHUNK_SEQUENCES}-{c}" for c in range(len(chunks))]
     # rank 0's view of what is saved, for every rank: a rank that looked later could see more
     saved = distributed.from_main({c for c in range(len(chunks)) if parts is not None and parts.has(key[c])})
     done = sum(hi - lo for c, (lo, hi) in enumerate(chunks) if c in saved)
@@ -82,13 +82,14 @@ def _pieces(
         todo = [c for c in range(len(chunks)) if c not in saved]
         got: dict[int, dict[str, torch.Tensor]] = {}
         w, me = distributed.world_size(), distributed.rank()
-        for start in range(0, len(todo), w):
-            turn = todo[start : start + w]
-            mine = run(turn[me])[0] if me < len(turn) else None
-            for r, piece in enumerate(distributed.gathered(mine)[: len(turn)]):
-                got[turn[r]] = piece
+        wave = w * CHUNKS_PER_GATHER
+        for start in range(0, len(todo), wave):
+            dealt = todo[start : start + wave]
+            mine = {c: run(c)[0] for c in dealt[me::w]}
+            for r, pieces in enumerate(distributed.gathered(mine)):
+                got.update(pieces)
                 if r != me:
-                    bar.update(chunks[turn[r]][1] - chunks[turn[r]][0])
+                    bar.update(sum(chunks[c][1] - chunks[c][0] for c in pieces))
         for c, (lo, hi) in enumerate(chunks):
             yield lo, hi, got.pop(c) if c in got else run(c)[0]
 

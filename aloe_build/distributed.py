@@ -111,9 +111,9 @@ def barrier() -> None:
 
 
 def share(n: int) -> range:
-    """This rank's contiguous share of ``n`` items (slots, chunks): shares differ by at most one."""
-    w, r = world_size(), rank()
-    return range(r * n // w, (r + 1) * n // w)
+    """This rank's share of ``n`` items (slots): every ``world_size``-th from its rank, so that
+    items whose cost drifts along the stream fall to every rank alike."""
+    return range(rank(), n, world_size())
 
 
 def shutdown() -> None:

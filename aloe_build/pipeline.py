@@ -87,7 +87,13 @@ class BuildReport:
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def stage(self, name: str, clock: StageClock, **info: Any) -> None:
-        self.stages[name] = {**clock.reading(), **info}
+        reading = clock.reading()
+        if distributed.active():  # called by every rank: the CPU time of all, and the peak of each
+            cpu = distributed.summed(torch.tensor(reading["cpu_seconds"], dtype=torch.float64))
+            reading.update(
+                cpu_seconds_all_ranks=round(float(cpu), 2), peak_rss_gib_per_rank=distributed.gathered(reading["peak_rss_gib"])
+            )
+        self.stages[name] = {**reading, **info}
 
 
 def _validate(model, tokenizer, requests: Sequence[EditRequest], layer: int) -> None:

@@ -163,7 +163,7 @@ def _share_mask(n: int, device: torch.device) -> torch.Tensor:
     gradients are summed, so that every rank takes the one-process step on all of V)."""
     share = distributed.share(n)
     mine = torch.zeros(n, dtype=torch.bool, device=device)
-    mine[share.start : share.stop] = True
+    mine[share.start : share.stop : share.step] = True
     return mine
 
 

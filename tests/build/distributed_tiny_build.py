@@ -1,8 +1,9 @@
 """One rank of a tiny distributed build (run by tests/build/test_distributed.py through the launcher).
 
-Usage: ``distributed_tiny_build.py CONFIG_JSON OUT_DIR [--chat] [--first N] [--fail STAGE]``:
+Usage: ``distributed_tiny_build.py CONFIG_JSON OUT_DIR [--chat] [--first N] [--chunk N] [--fail STAGE]``:
 builds the tiny pipeline's edits (its first N) with the BuildConfig fields in CONFIG_JSON
-(``--chat``: the tokenizer has the tiny chat template); rank 0 saves the operator in OUT_DIR/op.
+(``--chat``: the tokenizer has the tiny chat template; ``--chunk``: passes in chunks of N sequences);
+rank 0 saves the operator in OUT_DIR/op.
 With ``--fail`` the last rank raises when that stage starts.
 """
 
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 from test_pipeline import _edits  # noqa: E402
 from tiny_models import TINY_CHAT_TEMPLATE, tiny_model, tiny_tokenizer  # noqa: E402
 
-from aloe_build import BuildConfig, build_operator, distributed  # noqa: E402
+from aloe_build import BuildConfig, build_operator, chunked, distributed  # noqa: E402
 from aloe_build.pipeline import _Build  # noqa: E402
 
 
@@ -28,6 +29,8 @@ def main() -> None:
     out = Path(sys.argv[2])
     distributed.init_from_launcher(torch.device("cpu"))
     tok = tiny_tokenizer()
+    if "--chunk" in sys.argv:
+        chunked.CHUNK_SEQUENCES = int(sys.argv[sys.argv.index("--chunk") + 1])
     if "--chat" in sys.argv:
         tok.chat_template = TINY_CHAT_TEMPLATE
     if "--fail" in sys.argv and distributed.rank() == distributed.world_size() - 1:

@@ -40,9 +40,9 @@ def test_chunked_states_equal_one_pass(tmp_path, monkeypatch):
     assert torch.equal(got.offsets, want.offsets)
     torch.testing.assert_close(got.states, want.states, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in tmp_path.glob("x-*.safetensors")) == [
-        "x-sorted-0.safetensors",
-        "x-sorted-1.safetensors",
-        "x-sorted-2.safetensors",
+        "x-sorted-of4-0.safetensors",
+        "x-sorted-of4-1.safetensors",
+        "x-sorted-of4-2.safetensors",
     ]
 
 
@@ -138,7 +138,7 @@ def test_the_bar_advances_after_every_batch_and_starts_at_what_was_saved(tmp_pat
     assert bar.initial == 0 and sum(bar.updates) == 19
     assert len([k for k in bar.updates if k > 0]) >= 7  # at least ceil(8/3) + ceil(8/3) + ceil(3/3) batches
     assert max(bar.updates) <= 3
-    (tmp_path / "x-sorted-2.safetensors").unlink()  # the last chunk (3 sequences) is lost
+    (tmp_path / "x-sorted-of8-2.safetensors").unlink()  # the last chunk (3 sequences) is lost
     chunked.chunked_states(PartStore(tmp_path, "k"), "x", model, tok, seqs, 1, None, "test", 1, 3)
     bar = _RecordingBar.made[-1]
     assert bar.initial == 16 and sum(bar.updates) == 3
@@ -157,8 +157,8 @@ def test_chunked_tokens_and_states_resume_with_the_same_tokens_and_states(tmp_pa
     whole, states = continued(model, tok, prompts, 4, 1, 2, "test", starts=starts)
     parts = PartStore(tmp_path, "k")
     continued(model, tok, prompts, 4, 1, 2, "test", parts, "c", starts=starts)
-    assert sorted(p.name for p in tmp_path.glob("c-*")) == [f"c-with-states-{k}.safetensors" for k in range(3)]
-    (tmp_path / "c-with-states-1.safetensors").unlink()
+    assert sorted(p.name for p in tmp_path.glob("c-*")) == [f"c-with-states-of3-{k}.safetensors" for k in range(3)]
+    (tmp_path / "c-with-states-of3-1.safetensors").unlink()
     again, states_again = continued(model, tok, prompts, 4, 1, 2, "test", parts, "c", starts=starts)
     assert again == whole
     assert torch.equal(states_again.offsets, states.offsets)

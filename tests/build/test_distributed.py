@@ -18,6 +18,7 @@ from aloe_kernels.hf import apply_aloe, remove_aloe
 SCRIPT = Path(__file__).with_name("distributed_tiny_build.py")
 # every stage's work split between the ranks: two chunks per pass, two sequences per stage 8 batch
 SPLIT = dict(finetune_batch=4, target_batch=2, finetune_steps=6)
+CHUNK = 4  # sequences per chunk of a pass: many chunks, dealt out to both processes
 
 
 def _distributed_build(tmp_path: Path, procs: int, *flags: str, **fields) -> int:
@@ -44,19 +45,32 @@ def _greedy(op: AloeOperator, prompts: list[str], tok) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat-slots"])
-def test_two_processes_build_the_operator_of_one(tmp_path, chat):
+def test_two_processes_build_the_operator_of_one(tmp_path, chat, monkeypatch):
+    from safetensors.torch import load_file
+
+    from aloe_build import chunked
+
+    monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", CHUNK)
     fields = dict(positives_chat=True, chat_slots=True, refine_active_every=5) if chat else {}
     tok = _tokenizer(chat)
     cfg = _tiny_cfg(tmp_path, **SPLIT, **fields)
     one = build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "one", log=None)
-    assert _distributed_build(tmp_path, 2, *(["--chat"] if chat else []), **fields) == 0
+    assert _distributed_build(tmp_path, 2, "--chunk", str(CHUNK), *(["--chat"] if chat else []), **fields) == 0
     two = AloeOperator.load(tmp_path / "dist" / "op")
+    # the passes' chunks are computed alike wherever they run, and each refinement step is the one of
+    # one process: the states and addresses are the same bit for bit
+    for stage in ("3_rollouts", "4_refine"):
+        a, b = (load_file(str(d / "checkpoints" / f"{stage}.safetensors")) for d in (tmp_path / "one", tmp_path / "dist" / "run"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
     for name in ("addresses", "thresholds", "temperatures", "writes"):
         a, b = getattr(one, name).double(), getattr(two, name).double()
         # the same math, summed in another order: float32 rounding apart
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(a.abs().max())), name
     report = json.loads((tmp_path / "dist" / "run" / "build_report.json").read_text())
     assert report["stages"]["8_finetune"]["steps"] == 6
+    for stage in ("3_rollouts", "8_finetune"):  # each rank's time and memory are reported
+        assert report["stages"][stage]["cpu_seconds_all_ranks"] >= report["stages"][stage]["cpu_seconds"]
+        assert len(report["stages"][stage]["peak_rss_gib_per_rank"]) == 2
     prompts = [e.prompt for e in _edits()] + ["The capital of Italy is", "John Lennon plays the"]
     assert _greedy(one, prompts, tok) == _greedy(two, prompts, tok)
 
