@@ -157,3 +157,29 @@ def test_procs_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["build", "--model", "m", "--edits", "e", "--out", "o", "--procs", "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_aloe_build_procs_runs_the_command_in_two_processes(tmp_path):
+    """`aloe build --procs 2` on a tiny model directory: the same artifact as `aloe build`."""
+    import subprocess
+    import sys
+
+    from aloe_build import save_edits_jsonl
+
+    model_dir, tok = tmp_path / "model", tiny_tokenizer()
+    tiny_model("llama").save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    save_edits_jsonl(_edits(), tmp_path / "edits.jsonl")
+    (tmp_path / "cfg.json").write_text(json.dumps(_tiny_cfg(tmp_path, **SPLIT).to_dict()))
+    common = ["--model", str(model_dir), "--edits", str(tmp_path / "edits.jsonl"), "--config", str(tmp_path / "cfg.json")]
+    for out, extra in (("one", []), ("two", ["--procs", "2"])):
+        run = subprocess.run(
+            [sys.executable, "-m", "aloe_cli", "build", *common, "--out", str(tmp_path / out), *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert "by 2 processes" in run.stdout and run.stdout.count("wrote 4 edits") == 1  # rank 0 alone reports
+    one, two = (AloeOperator.load(tmp_path / d) for d in ("one", "two"))
+    assert torch.equal(one.addresses, two.addresses) and torch.allclose(one.writes, two.writes, rtol=1e-4, atol=1e-6)
