@@ -37,8 +37,8 @@ CHUNK_SEQUENCES = 256
 CHUNKS_PER_GATHER = 8
 
 
-def _chunks(n: int, size: int) -> list[tuple[int, int]]:
-    return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(lo, min(n, lo + CHUNK_SEQUENCES)) for lo in range(0, n, CHUNK_SEQUENCES)]
 
 
 def _pieces(
@@ -53,7 +53,7 @@ def _pieces(
     :data:`CHUNKS_PER_GATHER` chunks of each rank (not after each: a rank that finished its chunk
     would wait for the others' each time). The chunks' size is part of their saved name: chunks of
     another size are recomputed, not misread."""
-    chunks = _chunks(n, CHUNK_SEQUENCES)
+    chunks = _chunks(n)
     key = [f"{name}-of{CHUNK_SEQUENCES}-{c}" for c in range(len(chunks))]
     # rank 0's view of what is saved, for every rank: a rank that looked later could see more
     saved = distributed.from_main({c for c in range(len(chunks)) if parts is not None and parts.has(key[c])})

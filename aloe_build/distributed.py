@@ -110,6 +110,12 @@ def barrier() -> None:
         dist.barrier()
 
 
+def own_name(name: str) -> str:
+    """``name`` for what this rank alone holds, such as its pieces of a stage's work saved to resume
+    (``name-rank0of2``); ``name`` itself in one process."""
+    return f"{name}-rank{rank()}of{world_size()}" if active() else name
+
+
 def share(n: int) -> range:
     """This rank's share of ``n`` items (slots): every ``world_size``-th from its rank, so that
     items whose cost drifts along the stream fall to every rank alike."""

@@ -106,8 +106,7 @@ def _refine(
     _check_settings(cfg)
     mine = _share_mask(n, V.device)
     mining = _Mining(negatives, same_prompt, cfg, mine.nonzero().squeeze(1) if distributed.active() else None)
-    if distributed.active():  # each rank's mining state is its own
-        progress = f"{progress}-rank{distributed.rank()}of{distributed.world_size()}"
+    progress = distributed.own_name(progress)  # each rank's mining state is its own
     losses: list[float] = []
     hard_h, terms = None, None
     first, at_remine = _resume(parts, progress, V, opt, mining, losses)

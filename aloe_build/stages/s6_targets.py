@@ -54,7 +54,7 @@ def write_targets(
     # build (whose batches it saves under its own name)
     here = [i for i in range(n) if fwd.holds(rows_of[i])]
     batches = target_batches(fwd, rows_of, cfg.target_batch, here)
-    label = f"rank{distributed.rank()}of{distributed.world_size()}-batch" if distributed.active() else "batch"
+    label = distributed.own_name("batch")
     saved = {k for k in range(len(batches)) if parts is not None and parts.has(f"{label}-{k}")}
     steps: list[int] = []
     # the bar starts past the batches read back: its rate and time left are this run's

@@ -49,10 +49,7 @@ def finetune_writes(fwd: EditedForward, writes: torch.Tensor, cfg: BuildConfig) 
                 pos = 0
             rows = order[pos : pos + cfg.finetune_batch]
             pos += len(rows)
-            loss = _batch_step(fwd, U, opt, rows)
-            if not math.isfinite(loss):
-                raise FloatingPointError("stage 8 (write fine-tuning): loss became NaN/Inf")
-            losses.append(loss)
+            losses.append(_batch_step(fwd, U, opt, rows))
             bar.set_postfix(nll=f"{losses[-1]:.3f}", missed=len(order))
     return U.detach().float().cpu().clone(), losses
 
@@ -72,8 +69,9 @@ def _batch_step(fwd: EditedForward, U: torch.Tensor, opt: torch.optim.Optimizer,
         U.grad = distributed.summed(U.grad if U.grad is not None else torch.zeros_like(U))
         total = distributed.summed(total.detach())
     loss = float(total.detach()) / len(rows)
-    if math.isfinite(loss):
-        opt.step()
+    if not math.isfinite(loss):
+        raise FloatingPointError("stage 8 (write fine-tuning): loss became NaN/Inf")
+    opt.step()
     return loss
 
 
