@@ -28,6 +28,7 @@ check: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) .ci/check_imports.py
+	$(PY) .ci/results_size.py
 
 # Everything: the core suite, then the vLLM suite in its own environment.
 test: test-core test-vllm

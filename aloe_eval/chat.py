@@ -51,6 +51,8 @@ CUSTOM_SYSTEM = "You are a helpful assistant. Answer the question directly."
 SYSTEMS = {"default_system": None, "custom_system": CUSTOM_SYSTEM}
 #: Directory under ALOE's cache root where ``aloe eval --chat`` keeps the unedited model's answers.
 CHAT_ANSWERS_CACHE = "chat-answers"
+# missed answers kept in a report, to read; the counts are in the metrics
+MISSES_SHOWN = 5
 
 
 def chat_answers(
@@ -318,7 +320,7 @@ def _chat_scores(
         # one owner per locality prompt, so this counts the prompts
         "locality_prompts": len(loc_owner),
         # a few examples to read, not the whole list
-        "misses": misses[:10],
+        "misses": misses[:MISSES_SHOWN],
     }
     return scores, hit
 
