@@ -1,7 +1,8 @@
 """Keep the tracked files under the repository's 5 MB budget.
 
 Run with ``--compact`` after adding results: it rewrites every tracked JSON file under
-``benchmarks/results`` without indentation and with floats at six significant digits. Without flags it
+``benchmarks/results`` without indentation and with floats at six significant digits, and replaces the
+metric definitions that every ``eval_report.md`` repeats with a pointer to their source. Without flags it
 only prints the total and fails above the budget, so that ``make check`` catches a folder too large.
 """
 
@@ -17,6 +18,11 @@ from typing import Any
 BUDGET_BYTES = 5_000_000
 RESULTS = "benchmarks/results"
 SIGNIFICANT_DIGITS = 6
+DEFINITIONS = "## Definitions\n"
+DEFINITIONS_POINTER = (
+    "The metrics as `aloe_eval/definitions.py` defined them when this report was written "
+    "(`aloe eval` writes them here in full).\n"
+)
 
 
 def tracked(root: Path) -> list[Path]:
@@ -36,15 +42,29 @@ def compacted(value: Any) -> Any:
     return value
 
 
+def without_definitions(report: str) -> str:
+    """An ``eval_report.md`` with its definitions section (up to the next section) as one line."""
+    start = report.find(DEFINITIONS)
+    if start < 0:
+        return report
+    body = start + len(DEFINITIONS)
+    end = report.find("\n## ", body)
+    end = len(report) if end < 0 else end + 1
+    return report[:body] + "\n" + DEFINITIONS_POINTER + "\n" + report[end:]
+
+
 def compact(root: Path) -> int:
-    """Rewrite the tracked results JSON files; returns the bytes saved."""
+    """Rewrite the tracked results JSON files and evaluation reports; returns the bytes saved."""
     saved = 0
     for path in tracked(root):
-        if path.suffix != ".json" or not path.relative_to(root).as_posix().startswith(RESULTS):
+        if not path.relative_to(root).as_posix().startswith(RESULTS):
             continue
         before = path.stat().st_size
-        text = json.dumps(compacted(json.loads(path.read_text())), ensure_ascii=False, separators=(",", ":")) + "\n"
-        path.write_text(text)
+        if path.suffix == ".json":
+            data = compacted(json.loads(path.read_text()))
+            path.write_text(json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n")
+        elif path.name == "eval_report.md":
+            path.write_text(without_definitions(path.read_text()))
         saved += before - path.stat().st_size
     return saved
 
@@ -55,7 +75,7 @@ def main() -> int:
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     if args.compact:
-        print(f"compacted results JSON: {compact(root):,} bytes saved")
+        print(f"compacted results: {compact(root):,} bytes saved")
     total = sum(p.stat().st_size for p in tracked(root))
     print(f"tracked files: {total:,} bytes of {BUDGET_BYTES:,}")
     if total > BUDGET_BYTES:
