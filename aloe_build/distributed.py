@@ -116,6 +116,12 @@ def own_name(name: str) -> str:
     return f"{name}-rank{rank()}of{world_size()}" if active() else name
 
 
+def takes(index: int) -> bool:
+    """Whether this rank takes the ``index``-th of items dealt out in turn (blocks of a pass whose
+    length is known only as it goes)."""
+    return index % world_size() == rank()
+
+
 def share(n: int) -> range:
     """This rank's share of ``n`` items (slots): every ``world_size``-th from its rank, so that
     items whose cost drifts along the stream fall to every rank alike."""

@@ -10,7 +10,7 @@ the stage's time goes to gating, converting and multiplying zeros. Here only the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -22,8 +22,10 @@ from .sparse_warnings import quiet_sparse
 # Entries this far below the open floor are gated too, so that rounding between the floor and the
 # gate formula can never drop a gate that the formula opens; the formula's own zeros are dropped after.
 _FLOOR_SLACK = 1e-3
-# float32 scores per block: 4,292 states at 7,819 slots
-_BLOCK_BYTES = 128 * 2**20
+#: float32 scores per block: 4,292 states at 7,819 slots
+BLOCK_BYTES = 128 * 2**20
+#: the fewest states gated in one block
+BLOCK_ROWS_MIN = 1024
 
 
 @dataclass
@@ -52,16 +54,29 @@ class OpenGates:
         return out
 
 
-def open_gates(parts: torch.Tensor | Sequence[torch.Tensor], op: AloeOperator, chunk: int | None = None) -> Iterator[OpenGates]:
+def open_gates(
+    parts: torch.Tensor | Sequence[torch.Tensor],
+    op: AloeOperator,
+    chunk: int | None = None,
+    taken: Callable[[int], bool] | None = None,
+) -> Iterator[OpenGates]:
     """The open gates of normalized states (one tensor, or several read in place), ``chunk`` rows at
-    a time (default: blocks of about :data:`_BLOCK_BYTES` of scores). Each value equals the dense
-    formula's (:func:`aloe_kernels.reference.gates_from_scores` on the same float32 scores)."""
-    chunk = chunk or max(1024, _BLOCK_BYTES // (4 * max(op.n, 1)))
+    a time (default: blocks of about :data:`BLOCK_BYTES` of scores). Each value equals the dense
+    formula's (:func:`aloe_kernels.reference.gates_from_scores` on the same float32 scores).
+
+    With ``taken`` only the blocks whose index (counted over all parts) it accepts are gated; every
+    other block comes as its row count with no gate (a distributed build's other ranks gate it)."""
+    chunk = chunk or max(BLOCK_ROWS_MIN, BLOCK_BYTES // (4 * max(op.n, 1)))
     V, tau, alpha = (t.float() for t in (op.addresses, op.thresholds, op.temperatures))
     floor = open_score_floor(tau, alpha, op.gate_eps) - _FLOOR_SLACK
+    index = -1
     for part in [parts] if isinstance(parts, torch.Tensor) else parts:
         for start in range(0, part.shape[0], chunk):
-            block = part[start : start + chunk]
+            block, index = part[start : start + chunk], index + 1
+            if taken is not None and not taken(index):
+                none = torch.zeros(0, dtype=torch.long, device=block.device)
+                yield OpenGates(block.shape[0], none, none, torch.zeros(0, device=block.device))
+                continue
             scores = block.float() @ V.T
             rows, slots = (scores > floor).nonzero(as_tuple=True)
             values = gates_from_scores(scores[rows, slots], tau[slots], alpha[slots], op.gate_eps)

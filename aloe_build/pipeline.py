@@ -40,7 +40,7 @@ from .models import cache_root, default_layer, model_name
 from .open_gates import open_gates
 from .rewordings import kept_rewordings
 from .slot_sets import negative_set
-from .slots import Slot, make_slots, same_prompt_matrix
+from .slots import SamePrompt, Slot, make_slots
 from .stages import s4_refine, s5_calibrate
 from .stages.s1_encoder import AddressEncoder, cache_key
 from .stages.s2_init import initial_addresses
@@ -271,7 +271,7 @@ class _Build:
             roll = {**roll, "anchor_owner": self.sequence_slots(seqs)[roll["anchor_seq"]]}
             V0 = torch.cat([V0, V0])
         negatives = negative_set(roll, self.base.state.anchors if self.base else None, self.n if cfg.chat.chat_slots else 0)
-        same_prompt = same_prompt_matrix(self.slots * (2 if cfg.chat.chat_slots else 1))
+        same_prompt = SamePrompt.of(self.slots * (2 if cfg.chat.chat_slots else 1))
         # (4) refinement
         V = self.stage("4_refine", lambda: self.refine(V0, roll, negatives, same_prompt, soft))["V"]
         # (5) calibration

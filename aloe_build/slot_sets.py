@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .slots import SamePrompt
 from .sparse_warnings import quiet_sparse
 
 
@@ -29,14 +30,14 @@ class NegativeSet:
                 return self
         return NegativeSet(*(t.to(device) for t in (self.shared, self.shared_owner, self.specific, self.specific_owner)))
 
-    def worst(self, V: torch.Tensor, same_prompt: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    def worst(self, V: torch.Tensor, same_prompt: SamePrompt, chunk: int = 512) -> torch.Tensor:
         """max_{h in N_i} v_i^T h for every slot, over the whole set."""
         return self.top(V, same_prompt, 1, chunk)[0][:, 0]
 
     def top(
         self,
         V: torch.Tensor,
-        same_prompt: torch.Tensor,
+        same_prompt: SamePrompt,
         k: int,
         chunk: int = 512,
         stream_rows: int | None = None,
@@ -62,7 +63,7 @@ class NegativeSet:
             return best_s, self._states(best_i, V.device)
 
     def shared_candidates(
-        self, V: torch.Tensor, same_prompt: torch.Tensor, k: int, chunk: int = 512, stream_rows: int | None = None
+        self, V: torch.Tensor, same_prompt: SamePrompt, k: int, chunk: int = 512, stream_rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores and indices (n, k) into ``shared`` of each slot's k highest-scoring shared states
         that are its negatives, best first (-inf and -1 where it has fewer)."""
@@ -85,7 +86,7 @@ class NegativeSet:
                 s = V[rows] @ part.T  # (r, M)
                 # anchors of the slot itself, and of slots with the same prompt (conflicting targets), are
                 # not negatives
-                blocked = (owner[None, :] >= 0) & same_prompt[rows][:, owner.clamp_min(0)]
+                blocked = (owner[None, :] >= 0) & same_prompt[rows].against(owner.clamp_min(0))
                 s = s.masked_fill(blocked, -math.inf)
                 vals, idx = s.topk(min(k, s.shape[1]), dim=1)
                 # merge this piece's best with the best so far

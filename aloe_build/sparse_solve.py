@@ -38,6 +38,16 @@ class SparseGram:
             gram = torch.sparse.mm(S.t(), S)
             self._sum = (self._sum + weight * gram).coalesce()
 
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum so far (without ``mu``) as coalesced (indices (2, nnz), values)."""
+        s = self._sum.coalesce()
+        return s.indices(), s.values()
+
+    def add_entries_(self, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Add a sum given as :meth:`entries` (another process's share of the blocks)."""
+        with quiet_sparse():
+            self._sum = (self._sum + torch.sparse_coo_tensor(indices, values, (self.n, self.n))).coalesce()
+
     def matrix(self) -> torch.Tensor:
         """The whole matrix as a coalesced sparse COO (n, n) float64 tensor, ``mu`` on the diagonal."""
         eye = torch.arange(self.n).expand(2, -1)

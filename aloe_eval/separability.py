@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from aloe_build.mechanism_protocol import auc
+from aloe_build.slots import SamePrompt
 
 CUTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -130,7 +131,7 @@ def stage_readings(
     }
 
 
-def clears_negatives(V: torch.Tensor, roll: dict[str, torch.Tensor], same_prompt: torch.Tensor) -> dict[str, float]:
+def clears_negatives(V: torch.Tensor, roll: dict[str, torch.Tensor], same_prompt: SamePrompt) -> dict[str, float]:
     """Share of slots whose worst anchor scores above the worst negative of each kind, and of all."""
     from aloe_build.slot_sets import NegativeSet, min_anchor_scores, negative_set
 
@@ -162,7 +163,6 @@ def _stages(run: str, model, tok, edits, layer: int, r_states, rephrases, locali
     """The ``--stages`` readings of a build directory's checkpoints."""
     from safetensors.torch import load_file
 
-    from aloe_build.slots import same_prompt_matrix
     from aloe_build.states import last_token_states
 
     ck = Path(run) / "checkpoints"
@@ -175,7 +175,7 @@ def _stages(run: str, model, tok, edits, layer: int, r_states, rephrases, locali
     }
     loc_slot = torch.tensor([i for i, e in enumerate(edits) for _ in e.locality], dtype=torch.long)
     loc_last = last_token_states(model, tok, locality, layer, desc="locality prompts, last token")
-    same_prompt = same_prompt_matrix(edits)
+    same_prompt = SamePrompt.of(edits)
     out = {}
     for name, V in addresses.items():
         out[name] = stage_readings(

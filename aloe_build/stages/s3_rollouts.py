@@ -235,6 +235,36 @@ def not_anchors(states: torch.Tensor, anchors: torch.Tensor, chunk: int = 4096) 
     return keep
 
 
+def not_anchors_of_prompt(
+    states: torch.Tensor, state_prompt: torch.Tensor, anchors: torch.Tensor, anchor_prompt: torch.Tensor
+) -> torch.Tensor:
+    """:func:`not_anchors` for states along continuations, each compared only with the anchors of
+    sequences that share its prompt (the same id in ``state_prompt`` and ``anchor_prompt``). A state
+    holds its prompt in its causal prefix, so it can only equal an anchor whose sequence begins with
+    the same tokens: the unedited answer that starts like the target. The whole comparison would
+    cost states x anchors, which grows with the square of the edits; this grows with them."""
+    keep = torch.ones(states.shape[0], dtype=torch.bool)
+    if not states.shape[0] or not anchors.shape[0]:
+        return keep
+    anchor_rows = _rows_by_group(anchor_prompt)
+    for group, rows in _rows_by_group(state_prompt).items():
+        if group in anchor_rows:
+            keep[rows] = not_anchors(states[rows], anchors[anchor_rows[group]])
+    return keep
+
+
+def _rows_by_group(group: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The row indices of each group id, in one sort."""
+    order = torch.argsort(group, stable=True)
+    ids, counts = torch.unique_consecutive(group[order], return_counts=True)
+    return dict(zip(ids.tolist(), torch.split(order, counts.tolist())))
+
+
+def prompt_ids(prompts: Sequence[Sequence[int]], known: dict[tuple[int, ...], int]) -> torch.Tensor:
+    """One id per distinct prompt (token for token), extending ``known`` with new prompts."""
+    return torch.tensor([known.setdefault(tuple(p), len(known)) for p in prompts], dtype=torch.long)
+
+
 class _Stream:
     """What the edited stream offers as negatives of each edit: its templates, their relations,
     its subjects, and the relation words that can be swapped."""
@@ -432,11 +462,11 @@ def rollouts(
             "continuations",
         )
         chat = chat_forms(tokenizer, slots, cfg)
-        chat_cont, chat_owner = answer_states(
+        chat_cont, chat_form = answer_states(
             model,
             tokenizer,
             [ids for _, ids in chat],
-            [i for i, _ in chat],
+            list(range(len(chat))),
             layer,
             cfg.chat.negatives_chat_answer_tokens,
             cfg.batch_size,
@@ -444,8 +474,12 @@ def rollouts(
             "chat_answers",
         )
         specific, specific_owner = edit_negatives(model, tokenizer, slots, seqs, corpus, layer, cfg, rng, parts)
-    keep = not_anchors(cont, anchors.states)
-    chat_keep = not_anchors(chat_cont, anchors.states)
+    known: dict[tuple[int, ...], int] = {}
+    anchor_prompt = prompt_ids(seqs.prompts + seqs.extra_prompts, known)[anchors.owner()]
+    keep = not_anchors_of_prompt(cont, prompt_ids(seqs.prompts, known)[cont_owner], anchors.states, anchor_prompt)
+    chat_prompt = prompt_ids([ids for _, ids in chat], known)[chat_form]
+    chat_keep = not_anchors_of_prompt(chat_cont, chat_prompt, anchors.states, anchor_prompt)
+    chat_owner = torch.tensor([i for i, _ in chat], dtype=torch.long)[chat_form]
     info = {
         "anchors": int(anchors.states.shape[0]),
         "shared_negatives": int(pool.shape[0]),

@@ -18,6 +18,7 @@ from .. import distributed
 from ..checkpoints import PartStore
 from ..config import BuildConfig
 from ..slot_sets import NegativeSet, SlotAnchors, min_anchor_scores
+from ..slots import SamePrompt
 
 
 def _hardest_negative(V: torch.Tensor, hard_h: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ def refine_addresses(
     anchors: torch.Tensor,
     anchor_owner: torch.Tensor,
     negatives: NegativeSet,
-    same_prompt: torch.Tensor,
+    same_prompt: SamePrompt,
     cfg: BuildConfig,
     soft: torch.Tensor | None = None,
     parts: PartStore | None = None,
@@ -85,7 +86,7 @@ def _refine(
     anchors: torch.Tensor,
     anchor_owner: torch.Tensor,
     negatives: NegativeSet,
-    same_prompt: torch.Tensor,
+    same_prompt: SamePrompt,
     cfg: BuildConfig,
     soft: torch.Tensor,
     parts: PartStore | None,
@@ -232,7 +233,7 @@ class _Mining:
     true hardest negative, however far an address travels (the other k - 1 mined, which stand by
     until the next re-mining, may miss one outside the candidates)."""
 
-    def __init__(self, negatives: NegativeSet, same_prompt: torch.Tensor, cfg: BuildConfig, here: torch.Tensor | None = None):
+    def __init__(self, negatives: NegativeSet, same_prompt: SamePrompt, cfg: BuildConfig, here: torch.Tensor | None = None):
         self.negatives, self.same_prompt, self.cfg = negatives, same_prompt, cfg
         self.here = here  # the slots this process mines (a distributed build's share); None: all
         self.k = cfg.refine_hard_negatives

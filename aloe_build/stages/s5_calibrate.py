@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .. import distributed
 from ..config import BuildConfig
 from ..slot_sets import NegativeSet, min_anchor_scores
+from ..slots import SamePrompt
 
 
 @dataclass
@@ -31,6 +33,11 @@ class Calibration:
     worst_negative: torch.Tensor
 
 
+#: slots scored together against the negatives; a distributed build deals out whole blocks, so that each
+#: block's product, and with it every score, is the same bits in any number of processes
+CALIBRATION_BLOCK = 512
+
+
 def _logit(p: float) -> float:
     return math.log(p / (1 - p))
 
@@ -40,7 +47,7 @@ def calibrate(
     anchors: torch.Tensor,
     anchor_owner: torch.Tensor,
     negatives: NegativeSet,
-    same_prompt: torch.Tensor,
+    same_prompt: SamePrompt,
     gate_eps: float,
     cfg: BuildConfig,
     soft: torch.Tensor | None = None,
@@ -57,7 +64,7 @@ def calibrate(
     soft = torch.zeros(anchors.shape[0], dtype=torch.bool, device=anchors.device) if soft is None else soft
     anchors, anchor_owner, soft_a, soft_own = anchors[~soft], anchor_owner[~soft], anchors[soft], anchor_owner[soft]
     s_pos = min_anchor_scores(V, anchors, anchor_owner)
-    hard_s, hard_h = negatives.top(V, same_prompt, cfg.refine_hard_negatives)
+    hard_s, hard_h = hardest_negatives(V, negatives, same_prompt, cfg.refine_hard_negatives)
     s_neg = hard_s[:, 0]
     if soft_own.numel():
         s_soft = (V[soft_own] * soft_a).sum(-1)
@@ -74,13 +81,44 @@ def calibrate(
     bad = (~separable).nonzero().squeeze(1)
     bad = bad[~torch.isin(bad, opened)]
     if bad.numel():
-        tau_b, alpha_b = _fit_inseparable(V[bad], anchors, anchor_owner, bad, hard_h[bad], tau[bad], alpha[bad], cfg)
+        tau_b, alpha_b = _fit_inseparable(V[bad], anchors, anchor_owner, bad, hard_h(bad), tau[bad], alpha[bad], cfg)
         # Locality first: whatever the fit, the dead zone must still cover every negative but
         # the mined hardest ones, or a slot whose anchors sit among generic states would open
         # on everything.
         tau_b = torch.maximum(tau_b, hard_s[bad, -1] - _logit(gate_eps) / alpha_b)
         tau[bad], alpha[bad] = tau_b, alpha_b
     return Calibration(tau, alpha, separable, s_pos, s_neg)
+
+
+def hardest_negatives(
+    V: torch.Tensor, negatives: NegativeSet, same_prompt: SamePrompt, k: int
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each slot's k hardest negatives: their scores (n, k), best first, and a function that gives
+    the states (len(rows), k, d) of the slots ``rows``. Scoring every slot against every shared state
+    is the stage's cost, so in a distributed build each rank scores its share of the blocks of
+    :data:`CALIBRATION_BLOCK` slots and the scores, zero at the other ranks' slots, are summed
+    (exactly: x + 0 = x); the states are summed the same way for the rows asked, which every rank
+    asks alike."""
+    if not distributed.active():
+        scores, states = negatives.top(V, same_prompt, k, chunk=CALIBRATION_BLOCK)
+        return scores, lambda rows: states[rows]
+    n, block = V.shape[0], CALIBRATION_BLOCK
+    starts = range(distributed.rank() * block, n, distributed.world_size() * block)
+    mine = torch.cat([torch.arange(lo, min(lo + block, n)) for lo in starts] or [torch.zeros(0, dtype=torch.long)])
+    mine = mine.to(V.device)
+    my_scores, my_states = negatives.top(V[mine], same_prompt[mine], k, chunk=block, slots=mine)
+    scores = torch.zeros(n, my_scores.shape[1], dtype=my_scores.dtype, device=V.device)
+    scores[mine] = my_scores
+    where = torch.full((n,), -1, dtype=torch.long, device=V.device)
+    where[mine] = torch.arange(mine.numel(), device=V.device)
+
+    def states_of(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rows.numel(), *my_states.shape[1:], dtype=my_states.dtype, device=V.device)
+        here = where[rows] >= 0
+        out[here] = my_states[where[rows][here]]
+        return distributed.summed(out)
+
+    return distributed.summed(scores), states_of
 
 
 def _open_past_negatives(

@@ -12,6 +12,7 @@ import torch
 from aloe_kernels import AloeOperator
 from aloe_kernels.reference import gates_from_scores
 
+from .. import distributed
 from ..config import BuildConfig
 from ..open_gates import OpenGates, open_gates
 from ..sparse_solve import SparseGram, solve_spd
@@ -40,6 +41,13 @@ class NegativeGateTally:
         self.any_open += int(torch.unique_consecutive(gates.rows).numel())
         self.max_gate = max(self.max_gate, float(gates.values.max()) if gates.values.numel() else 0.0)
 
+    def summed(self) -> NegativeGateTally:
+        """The tally over every rank's blocks (itself in one process)."""
+        if not distributed.active():
+            return self
+        rows, any_open = distributed.summed(torch.tensor([self.rows, self.any_open], dtype=torch.int64)).tolist()
+        return NegativeGateTally(rows, any_open, max(distributed.gathered(self.max_gate)))
+
     def summary(self) -> dict[str, float]:
         return {"negative_any_open_share": self.any_open / self.rows if self.rows else 0.0, "negative_max_gate": self.max_gate}
 
@@ -61,22 +69,36 @@ def ridge_writes(
     (the build report's gate statistics need the same pass). Only the open gates are kept
     (:mod:`.open_gates`): the products cost what the open gates do, not N times n, and the system
     stays sparse, solved one group of slots that open together at a time (:mod:`..sparse_solve`).
+    In a distributed build each rank gates its share of the blocks of states and the sums are
+    gathered, so every rank solves the same system (summed in another order than one process).
     """
     A = SparseGram(op.n, cfg.ridge_mu)
     rhs = torch.zeros(op.n, deltas.shape[1], dtype=torch.float64)  # G+^T Y
     targets = deltas.double()
     lo = 0
-    for Gp in open_gates(anchors, op):
+    taken = distributed.takes if distributed.active() else None
+    for Gp in open_gates(anchors, op, taken=taken):
         owner = anchor_owner[lo : lo + Gp.n_rows]
         lo += Gp.n_rows
         Y = Gp.at(owner).double()[:, None] * targets[owner]  # (piece, d_out)
         S = Gp.sparse(op.n)
         A.add_(S)
         rhs += torch.sparse.mm(S.t(), Y)
-    for Gn in open_gates(negatives, op):
-        if tally is not None:
-            tally.add(Gn)
+    mine = NegativeGateTally()
+    for block, Gn in enumerate(open_gates(negatives, op, taken=taken)):
+        if taken is None or taken(block):  # another rank counts the rest
+            mine.add(Gn)
         A.add_(Gn.sparse(op.n), cfg.ridge_lambda)
+    if tally is not None:
+        total = mine.summed()
+        tally.rows, tally.any_open = tally.rows + total.rows, tally.any_open + total.any_open
+        tally.max_gate = max(tally.max_gate, total.max_gate)
+    if distributed.active():
+        entries = distributed.gathered(A.entries())
+        A = SparseGram(op.n, cfg.ridge_mu)
+        for indices, values in entries:  # in rank order: the same sum on every rank
+            A.add_entries_(indices, values)
+        rhs = distributed.summed(rhs)
     writes = solve_spd(A.matrix(), rhs)  # (n, d_out)
     if not torch.isfinite(writes).all():
         raise FloatingPointError("stage 7 (ridge solve): writes became NaN/Inf")

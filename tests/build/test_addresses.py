@@ -9,6 +9,7 @@ import torch
 
 from aloe_build import slot_sets
 from aloe_build.config import BuildConfig
+from aloe_build.slots import SamePrompt
 from aloe_build.stages import s4_refine as addr
 from aloe_build.stages import s5_calibrate as calibration
 from aloe_build.stages.s1_encoder import CorpusStates, train_encoder
@@ -33,7 +34,12 @@ def _synthetic(n=6, d=24, anchors_per=3, negs=200, seed=0):
         specific_owner=torch.arange(n),
     )
     V0 = 3.0 * _unit(centers + 0.8 * torch.randn(n, d, generator=g))  # a poor initial guess
-    return V0, anchors, owner, neg, torch.eye(n, dtype=torch.bool)
+    return V0, anchors, owner, neg, _own_prompts(n)
+
+
+def _own_prompts(n: int) -> SamePrompt:
+    """Every slot with a prompt of its own."""
+    return SamePrompt(torch.arange(n), torch.arange(n))
 
 
 def test_negative_top_matches_brute_force():
@@ -46,8 +52,8 @@ def test_negative_top_matches_brute_force():
     shared_owner = torch.cat([torch.full((30,), -1), torch.arange(n).repeat(2)])
     specific = _unit(torch.randn(23, d, generator=g))
     specific_owner = torch.tensor([0, 2, 4, 1] * 5 + [2, 0, 4])[torch.randperm(23, generator=g)]  # slot 3 has none
-    same = torch.eye(n, dtype=torch.bool)
-    same[0, 1] = same[1, 0] = True
+    prompt = torch.tensor([0, 0, 2, 3, 4])  # slots 0 and 1 share a prompt
+    same = SamePrompt(prompt, prompt)
     negatives = slot_sets.NegativeSet(shared, shared_owner, specific, specific_owner)
     got_s, got_h = negatives.top(V, same, k, chunk=2)
     # read in pieces of 7 states (as from another device): the same hardest negatives
@@ -55,7 +61,7 @@ def test_negative_top_matches_brute_force():
     torch.testing.assert_close(streamed_s, got_s)
     torch.testing.assert_close(streamed_h, got_h)
     for i in range(n):
-        ok = (shared_owner < 0) | ~same[i, shared_owner.clamp_min(0)]
+        ok = (shared_owner < 0) | (prompt[shared_owner.clamp_min(0)] != prompt[i])
         cand = torch.cat([shared[ok], specific[specific_owner == i]])
         want = (cand @ V[i]).topk(k).values
         torch.testing.assert_close(got_s[i], want)
@@ -73,14 +79,14 @@ def test_negative_top_from_candidates_matches_a_brute_force_over_them():
     shared_owner = torch.cat([torch.full((25,), -1), torch.arange(n).repeat(2)])
     specific = _unit(torch.randn(19, d, generator=g, dtype=torch.float64))
     specific_owner = torch.tensor([0, 1, 2, 4] * 4 + [0, 1, 4])[torch.randperm(19, generator=g)]  # 3, 5: none
-    same = torch.eye(n, dtype=torch.bool)
+    same = _own_prompts(n)
     negatives = slot_sets.NegativeSet(shared, shared_owner, specific, specific_owner)
     cand_s, cand = negatives.shared_candidates(V, same, 7, chunk=4, stream_rows=9)
     torch.testing.assert_close(cand_s, torch.stack([(shared[c] @ v) for c, v in zip(cand.clamp_min(0), V)]))
     W = V + 0.5 * torch.randn(n, d, generator=g, dtype=torch.float64)  # the addresses have moved since
     got_s, got_h = negatives.top(W, same, k, candidates=cand)
     for i in range(n):
-        ok = (shared_owner < 0) | ~same[i, shared_owner.clamp_min(0)]
+        ok = (shared_owner < 0) | (shared_owner != i)
         best7 = torch.nonzero(ok).squeeze(1)[(shared[ok] @ V[i]).topk(7).indices]
         assert set(cand[i].tolist()) == set(best7.tolist())
         pool = torch.cat([shared[best7], specific[specific_owner == i]])
@@ -505,7 +511,7 @@ def test_ridge_gram_through_open_gates_equals_dense_formula(monkeypatch):
     from aloe_build.stages import s7_ridge
 
     whole = og.open_gates
-    monkeypatch.setattr(s7_ridge, "open_gates", lambda parts, op, chunk=None: whole(parts, op, 4))
+    monkeypatch.setattr(s7_ridge, "open_gates", lambda parts, op, chunk=None, taken=None: whole(parts, op, 4, taken))
     torch.testing.assert_close(ridge_writes(deltas, anchors, owner, negatives, op, cfg).double(), want, rtol=1e-5, atol=1e-6)
 
 

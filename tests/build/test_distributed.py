@@ -19,6 +19,7 @@ SCRIPT = Path(__file__).with_name("distributed_tiny_build.py")
 # every stage's work split between the ranks: two chunks per pass, two sequences per stage 8 batch
 SPLIT = dict(finetune_batch=4, target_batch=2, finetune_steps=6)
 CHUNK = 4  # sequences per chunk of a pass: many chunks, dealt out to both processes
+BLOCK = 2  # slots per block of stage 5, states per block of stage 7: blocks for both processes
 
 
 def _distributed_build(tmp_path: Path, procs: int, *flags: str, **fields) -> int:
@@ -48,18 +49,23 @@ def _greedy(op: AloeOperator, prompts: list[str], tok) -> list[list[int]]:
 def test_two_processes_build_the_operator_of_one(tmp_path, chat, monkeypatch):
     from safetensors.torch import load_file
 
-    from aloe_build import chunked
+    from aloe_build import chunked, open_gates
+    from aloe_build.stages import s5_calibrate
 
     monkeypatch.setattr(chunked, "CHUNK_SEQUENCES", CHUNK)
+    monkeypatch.setattr(s5_calibrate, "CALIBRATION_BLOCK", BLOCK)
+    monkeypatch.setattr(open_gates, "BLOCK_ROWS_MIN", BLOCK)
+    monkeypatch.setattr(open_gates, "BLOCK_BYTES", 0)
     fields = dict(positives_chat=True, chat_slots=True, refine_active_every=5) if chat else {}
     tok = _tokenizer(chat)
     cfg = _tiny_cfg(tmp_path, **SPLIT, **fields)
     one = build_operator(tiny_model("llama"), tok, _edits(), cfg, out_dir=tmp_path / "one", log=None)
-    assert _distributed_build(tmp_path, 2, "--chunk", str(CHUNK), *(["--chat"] if chat else []), **fields) == 0
+    flags = ["--chunk", str(CHUNK), "--block", str(BLOCK), *(["--chat"] if chat else [])]
+    assert _distributed_build(tmp_path, 2, *flags, **fields) == 0
     two = AloeOperator.load(tmp_path / "dist" / "op")
-    # the passes' chunks are computed alike wherever they run, and each refinement step is the one of
-    # one process: the states and addresses are the same bit for bit
-    for stage in ("3_rollouts", "4_refine"):
+    # the passes' chunks are computed alike wherever they run, each refinement step is the one of one
+    # process, and each slot is calibrated by one rank: states, addresses and gates the same bit for bit
+    for stage in ("3_rollouts", "4_refine", "5_calibrate"):
         a, b = (load_file(str(d / "checkpoints" / f"{stage}.safetensors")) for d in (tmp_path / "one", tmp_path / "dist" / "run"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), stage
     for name in ("addresses", "thresholds", "temperatures", "writes"):
@@ -68,6 +74,10 @@ def test_two_processes_build_the_operator_of_one(tmp_path, chat, monkeypatch):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(a.abs().max())), name
     report = json.loads((tmp_path / "dist" / "run" / "build_report.json").read_text())
     assert report["stages"]["8_finetune"]["steps"] == 6
+    # stage 7's blocks of states are gated by both ranks: the negatives' gates counted once each
+    one_report = json.loads((tmp_path / "one" / "build_report.json").read_text())
+    for key in ("negative_any_open_share", "negative_max_gate"):
+        assert report["stages"]["7_ridge"][key] == one_report["stages"]["7_ridge"][key], key
     for stage in ("3_rollouts", "8_finetune"):  # each rank's time and memory are reported
         assert report["stages"][stage]["cpu_seconds_all_ranks"] >= report["stages"][stage]["cpu_seconds"]
         assert len(report["stages"][stage]["peak_rss_gib_per_rank"]) == 2
@@ -115,6 +125,7 @@ def test_one_process_is_its_own_group():
 def test_a_share_of_the_slots_mines_their_rows_of_the_whole_mining():
     """NegativeSet.top on some slots' rows (a rank's share) gives those slots' rows of the top of all."""
     from aloe_build.slot_sets import NegativeSet
+    from aloe_build.slots import SamePrompt
 
     g = torch.Generator().manual_seed(3)
     n, d, k = 7, 5, 3
@@ -126,8 +137,9 @@ def test_a_share_of_the_slots_mines_their_rows_of_the_whole_mining():
         specific_owner=torch.randint(0, n, (23,), generator=g),
     )
     V = torch.randn(n, d, generator=g, dtype=torch.float64).float()
-    same = torch.eye(n, dtype=torch.bool)
-    same[1, 4] = same[4, 1] = True
+    prompt_ids = torch.arange(n)
+    prompt_ids[4] = 1  # slots 1 and 4 share a prompt
+    same = SamePrompt(prompt_ids, prompt_ids)
     all_s, all_h = negatives.top(V, same, k)
     _, candidates = negatives.shared_candidates(V, same, 6)
     cand_s, cand_h = negatives.top(V, same, k, candidates=candidates)

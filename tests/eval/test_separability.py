@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from aloe_build.slots import SamePrompt
 from aloe_eval.separability import separability
 
 
@@ -79,7 +80,7 @@ def test_stage_readings_and_negative_kinds_match_a_brute_force():
         "specific": specific.float(),
         "specific_owner": torch.tensor([0, 0, 1, 1, 2, 3, 3, 4, 4, 4]),
     }
-    same_prompt = torch.eye(n, dtype=torch.bool)
+    same_prompt = SamePrompt(torch.arange(n), torch.arange(n))  # every slot its own prompt
     got = clears_negatives(V, roll, same_prompt)
     Vf = V.float()
 
