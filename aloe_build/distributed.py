@@ -128,7 +128,11 @@ def share(n: int) -> range:
     return range(rank(), n, world_size())
 
 
-def shutdown() -> None:
-    """Leave the group (at the end of a distributed build)."""
+def shutdown(finished: bool) -> None:
+    """Leave the group at the end of a distributed build. A rank that ``finished`` waits for the others
+    first: one that tears its connections down while another still reads from them can make that one
+    abort at exit. A rank that failed leaves at once (the others are stopped by the launcher)."""
     if dist.is_available() and dist.is_initialized():
+        if finished and active():
+            dist.barrier()
         dist.destroy_process_group()

@@ -72,6 +72,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
             torch.cuda.set_device(distributed.local_rank())
     model, tokenizer = load_model_for(args)
     distributed.init_from_launcher(next(model.parameters()).device)
+    finished = False
     try:
         out = Path(args.out)
         op = build_operator(model, tokenizer, requests, cfg, out_dir=out)
@@ -79,8 +80,9 @@ def _cmd_build(args: argparse.Namespace) -> int:
             op.save(out)
             ranks = f" by {distributed.world_size()} processes" if distributed.active() else ""
             print(f"wrote {len(requests)} edits ({op.n} slots) to {out}{ranks} (report: {out / 'build_report.json'})")
+        finished = True
     finally:
-        distributed.shutdown()
+        distributed.shutdown(finished)
     return 0
 
 

@@ -48,12 +48,14 @@ def main() -> None:
 
         _Build.stage = fail_at
     edits = _edits()[: int(sys.argv[sys.argv.index("--first") + 1])] if "--first" in sys.argv else _edits()
+    finished = False
     try:
         op = build_operator(tiny_model("llama"), tok, edits, cfg, out_dir=out / "run", log=print)
         if distributed.is_main():
             op.save(out / "op")
+        finished = True
     finally:
-        distributed.shutdown()
+        distributed.shutdown(finished)
 
 
 if __name__ == "__main__":
