@@ -83,6 +83,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
         finished = True
     finally:
         distributed.shutdown(finished)
+    if distributed.launched_ranks() > 1:
+        distributed.end_process(0)
     return 0
 
 

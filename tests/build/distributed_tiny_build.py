@@ -56,6 +56,7 @@ def main() -> None:
         finished = True
     finally:
         distributed.shutdown(finished)
+    distributed.end_process(0)
 
 
 if __name__ == "__main__":
