@@ -103,7 +103,7 @@ def hardest_negatives(
         scores, states = negatives.top(V, same_prompt, k, chunk=CALIBRATION_BLOCK)
         return scores, lambda rows: states[rows]
     n, block = V.shape[0], CALIBRATION_BLOCK
-    starts = range(distributed.rank() * block, n, distributed.world_size() * block)
+    starts = [lo for lo in range(0, n, block) if distributed.takes(lo // block)]
     mine = torch.cat([torch.arange(lo, min(lo + block, n)) for lo in starts] or [torch.zeros(0, dtype=torch.long)])
     mine = mine.to(V.device)
     my_scores, my_states = negatives.top(V[mine], same_prompt[mine], k, chunk=block, slots=mine)
