@@ -26,7 +26,7 @@ from aloe_kernels.errors import AloeError
 from aloe_kernels.hf import locate_down_proj
 from aloe_kernels.write_positions import DEFAULT_WRITE_POSITIONS, add_write_positions_argument
 
-from .options import DTYPE_CHOICES, add_device_args, load_model_for
+from .options import DTYPE_CHOICES, MODEL_HELP, add_device_args, load_model_for
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -267,7 +267,7 @@ def _cmd_sequential(args: argparse.Namespace) -> int:
 
 def _add_input_args(p: argparse.ArgumentParser) -> None:
     """What is scored on what: the model, the operator, the edit stream, and where the report goes."""
-    p.add_argument("--model", required=True, help="'smollm2', a local transformers directory, or a .gguf file")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--operator", default=None, help="ALOE artifact directory (omit to score baselines only)")
     p.add_argument("--edits", required=True, help="edit file (any format aloe_build.data.load_edits reads)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N edits of the file")

@@ -96,7 +96,7 @@ def _at_least_one(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .options import add_config_args, add_device_args
+    from .options import MODEL_HELP, add_config_args, add_device_args
 
     parser = argparse.ArgumentParser(prog="aloe", description="Edit facts in a language model with ALOE operators.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("build", help="build an operator for a file of edit requests")
-    p.add_argument("--model", required=True, help="'smollm2' or a local transformers directory")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--edits", required=True, help="edit requests (CounterFact, zsRE, KnowEdit or ALOE JSONL)")
     p.add_argument("--out", required=True, help="artifact directory (also holds checkpoints and build_report.json)")
     p.add_argument("--layer", type=int, default=None, help="edited decoder layer (default: the model family's)")

@@ -42,7 +42,7 @@ def _cmd_mechanism(args: argparse.Namespace) -> int:
 def add_mechanism_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from aloe_build.mechanism_protocol import PROTOCOLS
 
-    from .options import add_device_args
+    from .options import MODEL_HELP, add_device_args
 
     p = subparsers.add_parser(
         "mechanism",
@@ -52,7 +52,7 @@ def add_mechanism_cli(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "recall, 16-way same-subject top-1 and negative FPR, learned vs an equal-dimension "
         "raw-activation control.",
     )
-    p.add_argument("--model", required=True, help="'smollm2' or a local transformers directory")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--corpus", required=True, help="CounterFact-style file (e.g. CounterFact train)")
     p.add_argument("--out", required=True, help="directory for mechanism.json and mechanism.md")
     p.add_argument("--layer", type=int, default=None, help="edited decoder layer (default: the model family's)")

@@ -6,6 +6,8 @@ import argparse
 from typing import Any
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+#: ``--model``'s help wherever a command loads a model by name (what ``aloe_build.load_model`` takes)
+MODEL_HELP = "'smollm2', a local transformers directory, or a .gguf file"
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:

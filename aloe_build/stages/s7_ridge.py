@@ -41,6 +41,11 @@ class NegativeGateTally:
         self.any_open += int(torch.unique_consecutive(gates.rows).numel())
         self.max_gate = max(self.max_gate, float(gates.values.max()) if gates.values.numel() else 0.0)
 
+    def merge(self, other: NegativeGateTally) -> None:
+        """Add ``other``'s counts to this tally."""
+        self.rows, self.any_open = self.rows + other.rows, self.any_open + other.any_open
+        self.max_gate = max(self.max_gate, other.max_gate)
+
     def summed(self) -> NegativeGateTally:
         """The tally over every rank's blocks (itself in one process)."""
         if not distributed.active():
@@ -90,9 +95,7 @@ def ridge_writes(
             mine.add(Gn)
         A.add_(Gn.sparse(op.n), cfg.ridge_lambda)
     if tally is not None:
-        total = mine.summed()
-        tally.rows, tally.any_open = tally.rows + total.rows, tally.any_open + total.any_open
-        tally.max_gate = max(tally.max_gate, total.max_gate)
+        tally.merge(mine.summed())
     if distributed.active():
         entries = distributed.gathered(A.entries())
         A = SparseGram(op.n, cfg.ridge_mu)
