@@ -33,9 +33,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
 
 def _header_lines(meta: Mapping[str, Any]) -> list[str]:
     """The title and what the run was: model, data, operator, command, time."""
-    lines = [f"# Editing evaluation: {meta.get('model')} layer {meta.get('layer')}", ""]
+    lines = [f"# Editing evaluation: {meta.get('model')}", ""]
+    layer = meta.get("layer")
+    whose = "the operator's, or the model's default; each baseline's own under Editors"
     facts = [
         ("model", meta.get("model")),
+        # the operator's layer (or the model's default): GRACE edits it; the others name their own
+        ("layer", f"{layer} ({whose})" if layer is not None else None),
         ("edits", meta.get("n_edits")),
         ("data", meta.get("data_file")),
         ("data sha256", meta.get("data_sha256")),
