@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .options import add_device_args
+from .options import MODEL_HELP, add_device_args
 
 DEMO_EDITS = Path(__file__).resolve().parents[1] / "examples" / "demo_edits.jsonl"
 
@@ -120,7 +120,7 @@ def add_demo_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="edit SmolLM2 on the bundled facts and show before/after answers")
     p.add_argument("--edits", default=str(DEMO_EDITS), help="edit requests (default: the bundled demo set)")
     p.add_argument("--out", default="runs/demo", help="where the operator is written")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override one BuildConfig field of the demo preset")
     add_device_args(p)
